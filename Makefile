@@ -1,0 +1,28 @@
+# README command #1 is `make demo`, command #2 is `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_CPU_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint demo clean-demo bench
+
+setup: $(STAMP)
+
+# Re-install only when the project metadata changes; a second `make setup` is a no-op.
+$(STAMP): pyproject.toml ops/setup_env.sh
+	VENV=$(VENV) TORCH_CPU_VERSION=$(TORCH_CPU_VERSION) bash ops/setup_env.sh
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	bash ops/run_tests.sh
+
+demo: setup
+	$(VENV)/bin/prism demo
+
+bench: setup
+	$(PY) benchmarks/run_all.py

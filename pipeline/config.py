@@ -1,0 +1,397 @@
+"""The one config object: schema, YAML loading, dotted overrides, validation, stable hash.
+
+Every section is a dataclass; a YAML preset fills it. Loading rejects unknown keys, wrong types, missing
+required keys and impossible combinations with one line that names the file, the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+REQUIRED: Any = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """One-line message: where, which key, what is allowed."""
+
+
+@dataclass
+class RunConfig:
+    arm: Literal["uniform", "prism"]
+    scale: str  # "124m", "354m", "757m", "tiny"
+    seed: int = 1234
+    output_dir: str = "runs"  # run folder = output_dir / run_name
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int
+    d_model: int
+    h_base: int
+    ffn_hidden_size: int  # SwiGLU hidden, ~8/3 * d_model, so the MLP holds 8 d^2 weights
+    seq_len: int = 1024
+    vocab_size: int = 50257  # the tokenizer's size; the model pads to a multiple of 128 * TP
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+
+
+@dataclass
+class ScheduleConfig:
+    heads: str | list[int]  # compact "3x2,6x2,8x2,12x6", an explicit list, or a preset name
+    allow_guideline_violations: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    zero_stage: int = 1
+    # Opt-in: layers whose head count is not a multiple of TP run replicated on every TP rank.
+    replicate_indivisible_layers: bool = False
+
+
+@dataclass
+class TrainConfig:
+    batch_tokens: int
+    micro_batch_size: int
+    lr: float
+    train_tokens: int
+    min_lr: float = 0.0
+    warmup_fraction: float = 0.025
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: Literal["bf16", "fp32"] = "bf16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 10
+    val_every: int = 200
+    val_tokens: int = 1_048_576  # tokens of the val split used per evaluation (same for both arms)
+    prefetch: int = 2
+    peak_flops: float | None = None  # per device; None: look the device up in a table
+
+
+@dataclass
+class SlurmExecutorConfig:
+    partition: str | None = None
+    time: str = "04:00:00"
+    cpus_per_task: int = 4
+    mem_per_cpu_gb: float = 2.0
+    max_array_launch_parallel: bool = False
+    sbatch_args: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    dataset_dir: str  # prepared webdataset folder (manifest.json + train/ + val/)
+    input: str = "hf://datasets/HuggingFaceFW/fineweb/sample/10BT"
+    input_format: Literal["parquet", "jsonl", "embedded"] = "parquet"
+    text_key: str = "text"
+    id_key: str = "id"
+    limit: int = -1  # documents per reader task, -1 = all
+    tokenizer: str = "gpt2"  # local tokenizer.json path or a Hub name
+    eos_token: str = "<|endoftext|>"
+    val_fraction: float = 0.005
+    sequences_per_sample: int = 16  # sequences packed into one tar member
+    samples_per_shard: int = 256
+    executor: Literal["local", "slurm"] = "local"
+    tasks: int = 1
+    workers: int = -1
+    slurm: SlurmExecutorConfig = field(default_factory=SlurmExecutorConfig)
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None  # None: sqlite:///<run dir>/mlflow.db; http://host:port for a server
+    experiment: str | None = None  # None: prism-<scale>
+    milestones: list[float] = field(default_factory=list)  # val-loss thresholds, first crossing logged
+    system_metrics: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints
+    every_steps: int = 1000
+    keep_last: int = 2
+
+
+@dataclass
+class Config:
+    run: RunConfig
+    model: ModelConfig
+    schedule: ScheduleConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    source: str = field(default="<dict>", compare=False, repr=False)  # where it was loaded from; not hashed
+
+    # --- derived values (never stored) -------------------------------------------------------------
+    @property
+    def heads_per_layer(self) -> tuple[int, ...]:
+        from pipeline import schedule
+
+        return schedule.resolve(self.schedule.heads)
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run_name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def experiment(self) -> str:
+        return self.tracking.experiment or f"prism-{self.run.scale}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def dump(self) -> str:
+        """YAML of the full resolved config (defaults included): what MLflow stores verbatim."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def steps(self, data_parallel: int = 1) -> dict[str, int]:
+        """Optimizer steps, warmup steps and gradient-accumulation steps for a given DP size."""
+        t, m = self.train, self.model
+        per_micro = m.seq_len * t.micro_batch_size * data_parallel
+        if t.batch_tokens % per_micro:
+            raise ConfigError(
+                f"{self.source}: train.batch_tokens={t.batch_tokens} is not divisible by seq_len x "
+                f"micro_batch_size x DP = {m.seq_len} x {t.micro_batch_size} x {data_parallel} = {per_micro}; "
+                f"use a multiple of {per_micro}"
+            )
+        total = max(1, t.train_tokens // t.batch_tokens)
+        return {
+            "total": total,
+            "warmup": int(round(t.warmup_fraction * total)),
+            "grad_accum": t.batch_tokens // per_micro,
+        }
+
+
+# Keys whose change makes a checkpoint or a dataset incompatible (resume refuses, naming the key).
+MODEL_OR_DATA_KEYS = ("run.seed", "model", "schedule", "parallel.tp", "train.batch_tokens",
+                      "train.micro_batch_size", "data")  # fmt: skip
+# Inside data, these only say how preparation is executed: changing them never changes the tokens.
+EXECUTION_ONLY_DATA_KEYS = ("data.executor", "data.tasks", "data.workers", "data.slurm")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not key.endswith("sbatch_args"):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changed_keys(
+    old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS
+) -> list[str]:
+    """Flattened keys under ``scope`` whose values differ between two config dicts."""
+    a, b = flatten(old), flatten(new)
+    keys = sorted(set(a) | set(b))
+
+    def in_scope(k: str) -> bool:
+        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_DATA_KEYS):
+            return False
+        return any(k == s or k.startswith(s + ".") for s in scope)
+
+    return [k for k in keys if in_scope(k) and a.get(k) != b.get(k)]
+
+
+# --- loading -------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (list, dict):
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats (3e-4 vs 1)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping (section), got {type(value).__name__}")
+        return _build(tp, value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not allowed; choose one of {_type_name(tp)}")
+        return value
+    if isinstance(tp, types.UnionType) or origin is typing.Union:
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_type_name(tp)}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: expected null")
+        return None
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{where}: {value!r} has the wrong type; expected {_type_name(tp)}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}.{unknown[0]}: unknown key; allowed keys here: {', '.join(fields)}".lstrip(".")
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], key)
+        elif f.default is REQUIRED and f.default_factory is REQUIRED:  # type: ignore[misc]
+            raise ConfigError(f"{key}: missing required key ({_type_name(hints[name])})")
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: write it as section.key=value, e.g. train.lr=3e-4")
+    key, _, raw = text.partition("=")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        cfg = _build(Config, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    cfg.source = source
+    _check_combinations(cfg)
+    return cfg
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"{path}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml"
+        )
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return from_dict(apply_overrides(data, overrides or []), str(path))
+
+
+def _check_combinations(cfg: Config) -> None:
+    from pipeline import schedule
+
+    src, m, t, p = cfg.source, cfg.model, cfg.train, cfg.parallel
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{src}: {key}: {msg}")
+
+    positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model, "model.h_base": m.h_base,
+                "model.seq_len": m.seq_len, "train.micro_batch_size": t.micro_batch_size, "parallel.tp": p.tp,
+                "train.batch_tokens": t.batch_tokens, "data.samples_per_shard": cfg.data.samples_per_shard,
+                "data.sequences_per_sample": cfg.data.sequences_per_sample}  # fmt: skip
+    for key, v in positive.items():
+        if v < 1:
+            fail(key, f"{v} must be >= 1")
+    if p.zero_stage not in (0, 1, 2, 3):
+        fail("parallel.zero_stage", f"{p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if p.zero_stage == 3 and p.tp > 1:
+        fail("parallel.zero_stage", "ZeRO stage 3 is only supported with parallel.tp=1; use 1 or 2")
+    if not 0 <= t.warmup_fraction < 1:
+        fail("train.warmup_fraction", f"{t.warmup_fraction} must be in [0, 1)")
+    if t.min_lr > t.lr:
+        fail("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        fail("data.val_fraction", f"{cfg.data.val_fraction} must be in [0, 1)")
+    if t.train_tokens < t.batch_tokens:
+        fail(
+            "train.train_tokens",
+            f"{t.train_tokens} is less than one batch (train.batch_tokens={t.batch_tokens})",
+        )
+    if m.d_model % m.h_base:
+        fail("model.h_base", f"{m.h_base} does not divide model.d_model={m.d_model}")
+    cfg.steps(1)  # batch_tokens vs seq_len x micro_batch_size
+    try:
+        n_layers = len(schedule.resolve(cfg.schedule.heads))
+    except schedule.ScheduleError as e:
+        fail("schedule.heads", str(e))
+    if n_layers != m.num_layers:
+        fail("schedule.heads", f"lists {n_layers} layers but model.num_layers={m.num_layers}")
+    try:
+        heads = schedule.validate(schedule.resolve(cfg.schedule.heads), m.d_model, m.h_base, p.tp,
+                                  allow_guideline_violations=cfg.schedule.allow_guideline_violations,
+                                  replicate_indivisible=p.replicate_indivisible_layers)  # fmt: skip
+    except schedule.ScheduleError as e:
+        fail("schedule.heads", str(e))
+    if cfg.run.arm == "uniform" and len(set(heads)) != 1:
+        fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")

@@ -1,0 +1,259 @@
+"""The Prism idea: a per-layer attention-head schedule.
+
+A uniform Transformer gives every layer ``h_base`` heads of ``d_model / h_base`` dims. Prism gives layer l
+``h_l`` heads of ``d_model / h_l`` dims with h_1 <= ... <= h_L = h_base: few wide heads early, the baseline
+late. Q/K/V/O stay d x d, so parameters and FLOPs do not change (see ``layer_params`` / ``layer_flops``).
+
+A schedule is written as a list of head counts or in compact form, ``"3x2,6x2,8x2,12x6"`` (count x layers).
+Rules (PAPER.md): hard ones are always errors; the paper's guidelines are errors unless a config sets
+``allow_guideline_violations`` (so Table 5's ablations stay expressible).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+# FlashAttention kernels support head dims up to 256; d_h 384 cost the paper 8.3 % throughput.
+MAX_HEAD_DIM = 256
+# Head dims at or below this need not be powers of two (the paper's late stages use 96).
+FREE_HEAD_DIM = 128
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message names the rule and the layers (1-indexed)."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str  # short name: divisibility, monotonic, final-baseline, tensor-parallel, staircase, ...
+    hard: bool
+    message: str
+
+    def __str__(self) -> str:
+        kind = "rule" if self.hard else "guideline"
+        return f"{kind} '{self.rule}': {self.message}"
+
+
+def parse(spec: str | Sequence[int]) -> tuple[int, ...]:
+    """``"3x2,6x2,12x8"``, ``"3,3,6,6"`` or a list of ints -> per-layer head counts."""
+    if isinstance(spec, str):
+        heads: list[int] = []
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            count, _, repeat = part.partition("x")
+            try:
+                heads += [int(count)] * (int(repeat) if repeat else 1)
+            except ValueError:
+                raise ScheduleError(
+                    f"cannot read schedule part {part!r}: write head counts like '3,3,6' or '3x2,6x2'"
+                ) from None
+    else:
+        heads = [int(h) for h in spec]
+    if not heads or any(h < 1 for h in heads):
+        raise ScheduleError(f"schedule {spec!r} must list at least one positive head count per layer")
+    return tuple(heads)
+
+
+def compact(heads: Sequence[int]) -> str:
+    """Per-layer head counts -> compact form (``12x12`` for the uniform 124M model)."""
+    return ",".join(f"{h}x{end - start}" for h, start, end in stages(heads))
+
+
+def stages(heads: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal head counts as (heads, first layer index, end index), 0-indexed, end exclusive."""
+    runs: list[tuple[int, int, int]] = []
+    for i, h in enumerate(heads):
+        if runs and runs[-1][0] == h:
+            runs[-1] = (h, runs[-1][1], i + 1)
+        else:
+            runs.append((h, i, i + 1))
+    return runs
+
+
+def _layers(indices: Sequence[int]) -> str:
+    return ", ".join(str(i + 1) for i in indices)
+
+
+def check(
+    heads: Sequence[int], d_model: int, h_base: int, tp: int = 1, *, replicate_indivisible: bool = False
+) -> list[Violation]:
+    """Every rule and guideline the schedule breaks (empty list: it is a valid Prism schedule)."""
+    out: list[Violation] = []
+    bad = [i for i, h in enumerate(heads) if d_model % h]
+    if bad:
+        out.append(
+            Violation(
+                "divisibility",
+                True,
+                f"d_model {d_model} is not divisible by the heads of layer(s) {_layers(bad)}",
+            )
+        )
+    drops = [i for i in range(1, len(heads)) if heads[i] < heads[i - 1]]
+    if drops:
+        out.append(
+            Violation(
+                "monotonic",
+                True,
+                f"head counts must not decrease (h_1 <= ... <= h_L); layer(s) {_layers(drops)} have fewer heads than the layer before",
+            )
+        )
+    if heads[-1] != h_base:
+        out.append(
+            Violation(
+                "final-baseline", True, f"the last layer must have h_base={h_base} heads, it has {heads[-1]}"
+            )
+        )
+    not_tp = [i for i, h in enumerate(heads) if h % tp]
+    if not_tp and not replicate_indivisible:
+        out.append(
+            Violation(
+                "tensor-parallel",
+                True,
+                f"with tensor parallel size {tp} every head count must be a multiple of {tp}; layer(s) {_layers(not_tp)} have {sorted({heads[i] for i in not_tp})} heads",
+            )
+        )
+
+    runs = stages(heads)
+    short_or_long = [(h, s, e) for h, s, e in runs[:-1] if not 2 <= e - s <= 4]
+    if short_or_long:
+        desc = "; ".join(
+            f"{h} heads for {e - s} layer(s) at layer(s) {_layers(range(s, e))}" for h, s, e in short_or_long
+        )
+        out.append(
+            Violation(
+                "staircase", False, f"every stage before the baseline stage must hold 2-4 layers: {desc}"
+            )
+        )
+    n_base = sum(1 for h in heads if h == h_base)
+    if n_base < len(heads) / 2:
+        out.append(
+            Violation(
+                "baseline-preservation",
+                False,
+                f"at least {len(heads) / 2:g} of {len(heads)} layers must use h_base={h_base} heads, {n_base} do",
+            )
+        )
+    wide = sorted({d_model // h for h in heads if d_model % h == 0 and d_model // h > FREE_HEAD_DIM})
+    odd = [d for d in wide if d & (d - 1) or d > MAX_HEAD_DIM]
+    if odd:
+        out.append(
+            Violation(
+                "head-dim",
+                False,
+                f"head dims above {FREE_HEAD_DIM} must be powers of two and at most {MAX_HEAD_DIM} (FlashAttention); this schedule has d_h {odd}",
+            )
+        )
+    return out
+
+
+def validate(
+    spec: str | Sequence[int],
+    d_model: int,
+    h_base: int,
+    tp: int = 1,
+    *,
+    allow_guideline_violations: bool = False,
+    replicate_indivisible: bool = False,
+) -> tuple[int, ...]:
+    """Parse and check; raise ScheduleError on a hard rule (or a guideline unless allowed)."""
+    heads = parse(spec)
+    problems = check(heads, d_model, h_base, tp, replicate_indivisible=replicate_indivisible)
+    fatal = [v for v in problems if v.hard or not allow_guideline_violations]
+    if fatal:
+        raise ScheduleError(f"schedule {compact(heads)}: " + " | ".join(map(str, fatal)))
+    for v in problems:
+        warnings.warn(f"schedule {compact(heads)}: allowed {v}", stacklevel=2)
+    return heads
+
+
+# --- presets: the paper's schedules (Table 4) and the 124M ablations (Table 5) ------------------------
+PRESETS: dict[str, str] = {
+    "paper-124m": "3x2,6x2,8x2,12x6",
+    "paper-354m": "4x3,8x3,16x18",
+    "paper-757m": "6x3,12x3,16x18",
+    "uniform-124m": "12x12",
+    "uniform-354m": "16x24",
+    "uniform-757m": "16x24",
+    # Table 5 (124M, 12 layers, h_base 12). Config-1 and Config-5 ramp one layer per stage.
+    "table5-config-1": "3,6,8,12x9",
+    "table5-config-2": "6x2,8x2,12x8",
+    "table5-config-3": "4x2,8x2,12x8",
+    "table5-config-4": "6x4,12x8",
+    "table5-config-5": "2,4,6,8,12x8",
+    "table5-config-6": "3x2,6x2,12x8",
+    "table5-config-7": "2x2,4x2,8x2,12x6",
+}
+
+
+def preset(name: str) -> tuple[int, ...]:
+    if name not in PRESETS:
+        raise ScheduleError(f"unknown schedule preset {name!r}; known: {', '.join(PRESETS)}")
+    return parse(PRESETS[name])
+
+
+def resolve(spec: str | Sequence[int]) -> tuple[int, ...]:
+    """A preset name or a schedule literal -> head counts."""
+    return preset(spec) if isinstance(spec, str) and spec in PRESETS else parse(spec)
+
+
+# --- enumeration: every schedule that passes all rules (feeds sweeps) -------------------------------
+def enumerate_valid(d_model: int, layers: int, h_base: int, tp: int = 1) -> Iterator[tuple[int, ...]]:
+    """Yield every schedule satisfying all rules and guidelines, as non-decreasing stages of 2-4 layers
+    followed by a baseline stage of at least L/2 layers. Depth-first over stages, so it is fast."""
+    candidates = [
+        h for h in range(1, h_base) if d_model % h == 0 and h % tp == 0 and _head_dim_ok(d_model // h)
+    ]
+    min_base = -(-layers // 2)  # ceil(L/2)
+
+    def grow(prefix: tuple[int, ...], lowest_index: int) -> Iterator[tuple[int, ...]]:
+        rest = layers - len(prefix)
+        if rest >= min_base:
+            yield prefix + (h_base,) * rest
+        for ci in range(lowest_index, len(candidates)):
+            for run in (2, 3, 4):
+                if layers - len(prefix) - run >= min_base:
+                    yield from grow(prefix + (candidates[ci],) * run, ci + 1)
+
+    if h_base % tp or d_model % h_base:
+        return
+    yield from grow((), 0)
+
+
+def _head_dim_ok(d_h: int) -> bool:
+    return d_h <= FREE_HEAD_DIM or (d_h <= MAX_HEAD_DIM and d_h & (d_h - 1) == 0)
+
+
+# --- arithmetic per layer (the neutrality argument, and the MFU counter) ------------------------------
+def layer_params(d_model: int, ffn_hidden: int, heads: int, *, bias: bool = False, gated: bool = True) -> int:
+    """Weights of one block: fused QKV (d x 3d) + output (d x d) + MLP + two norms. ``heads`` does not
+    appear: that is the whole point."""
+    del heads  # shapes depend on h_l * d_h = d_model only
+    attn = 4 * d_model * d_model + (4 * d_model if bias else 0)
+    mlp = (3 if gated else 2) * d_model * ffn_hidden + (
+        (2 * ffn_hidden if gated else ffn_hidden) + d_model if bias else 0
+    )
+    return attn + mlp + 2 * d_model  # norm weights (biases of LayerNorm are counted by the model report)
+
+
+def layer_flops(
+    d_model: int, ffn_hidden: int, heads: int, seq_len: int, *, gated: bool = True
+) -> dict[str, int]:
+    """Forward FLOPs per token of one block (multiply-add = 2). Attention scores and the weighted sum cost
+    2 * h_l * d_h * seq_len each (PaLM's convention, no causal discount), and h_l * d_h = d_model."""
+    head_dim = d_model // heads
+    return {
+        "projections": 2 * 4 * d_model * d_model,
+        "attention": 2 * 2 * heads * head_dim * seq_len,
+        "mlp": 2 * (3 if gated else 2) * d_model * ffn_hidden,
+    }
+
+
+def training_flops_per_token(
+    heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int, vocab: int, *, gated: bool = True
+) -> int:
+    """Forward + backward (x3) FLOPs per token: every block plus the logits projection."""
+    per_layer = sum(sum(layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated).values()) for h in heads)
+    return 3 * (per_layer + 2 * d_model * vocab)

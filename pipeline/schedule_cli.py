@@ -1,0 +1,136 @@
+"""`prism schedule validate | show | enumerate`: the head schedule from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pipeline import schedule
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schedule", help="validate, show or enumerate Prism head schedules")
+    verbs = p.add_subparsers(dest="schedule_verb", required=True, metavar="ACTION")
+
+    v = verbs.add_parser("validate", help="check a schedule against the rules; exit 0 or 2")
+    v.add_argument("config", nargs="?", help="YAML config (or give the shape with the flags below)")
+    _shape_args(v)
+    v.add_argument("--heads", help="per-layer heads: '3,3,6,6,...', '3x2,6x2,...' or a preset name")
+    v.add_argument("--allow-guideline-violations", action="store_true")
+    v.set_defaults(func=_validate)
+
+    s = verbs.add_parser("show", help="per-layer heads, d_h, FLOPs, params and the neutrality checks")
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    s.set_defaults(func=_show)
+
+    e = verbs.add_parser("enumerate", help="every schedule that satisfies all rules")
+    _shape_args(e)
+    e.add_argument(
+        "--limit", type=int, default=0, help="print at most N schedules (the count is always full)"
+    )
+    e.set_defaults(func=_enumerate)
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--h-base", type=int)
+    p.add_argument("--tp", type=int, default=1)
+
+
+def _need_shape(args: argparse.Namespace) -> None:
+    missing = [
+        f"--{n.replace('_', '-')}" for n in ("d_model", "layers", "h_base") if getattr(args, n) is None
+    ]
+    if missing:
+        raise SystemExit(f"prism schedule: error: give a CONFIG or {' '.join(missing)}")
+
+
+def table(heads: tuple[int, ...], d_model: int, ffn: int, seq_len: int) -> str:
+    rows = [
+        f"{'layer':>5} {'heads':>5} {'d_h':>4} {'stage':>5} {'attn FLOPs/tok':>15} {'proj FLOPs/tok':>15} {'params':>11}"
+    ]
+    stage_of = {i: n + 1 for n, (_, s, e) in enumerate(schedule.stages(heads)) for i in range(s, e)}
+    for i, h in enumerate(heads):
+        f = schedule.layer_flops(d_model, ffn, h, seq_len)
+        rows.append(f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
+                    f"{f['projections']:>15,} {schedule.layer_params(d_model, ffn, h):>11,}")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    allow = args.allow_guideline_violations
+    if args.config:
+        from pipeline import config
+
+        cfg = config.load(args.config, [f"schedule.heads={args.heads}"] if args.heads else [])
+        m = cfg.model
+        d_model, layers, h_base, tp = (
+            m.d_model,
+            m.num_layers,
+            m.h_base,
+            args.tp if args.tp != 1 else cfg.parallel.tp,
+        )
+        heads, allow = cfg.heads_per_layer, allow or cfg.schedule.allow_guideline_violations
+        ffn, seq = m.ffn_hidden_size, m.seq_len
+    else:
+        _need_shape(args)
+        if not args.heads:
+            raise SystemExit("prism schedule validate: error: give --heads (or a CONFIG)")
+        d_model, layers, h_base, tp = args.d_model, args.layers, args.h_base, args.tp
+        heads = schedule.resolve(args.heads)
+        ffn, seq = int(round(8 * d_model / 3)), 1024
+    problems = schedule.check(heads, d_model, h_base, tp)
+    if len(heads) != layers:
+        print(
+            f"error: rule 'layers': the schedule lists {len(heads)} layers, the model has {layers}",
+            file=sys.stderr,
+        )
+        return 2
+    fatal = [p for p in problems if p.hard or not allow]
+    for p in problems:
+        print(("error: " if p in fatal else "warning (allowed): ") + str(p), file=sys.stderr)
+    if fatal:
+        return 2
+    print(
+        f"schedule {schedule.compact(heads)} is valid for d_model={d_model}, {layers} layers, h_base={h_base}, TP={tp}"
+    )
+    print(table(heads, d_model, ffn, seq))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from pipeline import config
+
+    cfg = config.load(args.config, args.overrides)
+    m = cfg.model
+    heads = cfg.heads_per_layer
+    twin = (m.h_base,) * m.num_layers
+    print(f"{cfg.source}: {cfg.run.arm} arm, schedule {schedule.compact(heads)}")
+    print(table(heads, m.d_model, m.ffn_hidden_size, m.seq_len))
+    totals = {}
+    for name, hs in (("schedule", heads), ("uniform twin", twin)):
+        params = sum(schedule.layer_params(m.d_model, m.ffn_hidden_size, h, bias=m.bias) for h in hs)
+        flops = schedule.training_flops_per_token(hs, m.d_model, m.ffn_hidden_size, m.seq_len, m.vocab_size)
+        totals[name] = (params, flops)
+        print(
+            f"{name:>13}: {schedule.compact(hs):<22} block params {params:>14,}  training FLOPs/token {flops:>16,}"
+        )
+    (p1, f1), (p2, f2) = totals.values()
+    print(f"neutrality: parameters {'PASS' if p1 == p2 else 'FAIL'} ({p1 - p2:+,}), "
+          f"FLOPs {'PASS' if f1 == f2 else 'FAIL'} ({f1 - f2:+,})")  # fmt: skip
+    return 0 if (p1, f1) == (p2, f2) else 1
+
+
+def _enumerate(args: argparse.Namespace) -> int:
+    _need_shape(args)
+    t0 = time.perf_counter()
+    found = list(schedule.enumerate_valid(args.d_model, args.layers, args.h_base, args.tp))
+    dt = time.perf_counter() - t0
+    for heads in found[: args.limit or None]:
+        print(schedule.compact(heads))
+    print(f"{len(found)} valid schedules for d_model={args.d_model}, {args.layers} layers, "
+          f"h_base={args.h_base}, TP={args.tp} ({dt * 1000:.1f} ms)")  # fmt: skip
+    return 0

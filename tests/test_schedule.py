@@ -1,0 +1,159 @@
+"""The Prism head schedule: parsing, rules, guidelines, presets, enumeration, and the CLI verbs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import schedule
+
+PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
+    "paper-124m": (768, 12, 12),
+    "paper-354m": (1024, 24, 16),
+    "paper-757m": (1536, 24, 16),
+}
+
+
+def prism(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True)
+
+
+def test_parse_compact_and_list_agree():
+    assert schedule.parse("3x2,6x2,8x2,12x6") == (3, 3, 6, 6, 8, 8) + (12,) * 6
+    assert schedule.parse("3,3,6") == (3, 3, 6)
+    assert schedule.parse([4, 4]) == (4, 4)
+    assert schedule.compact(schedule.parse("2,2,4,4,4,8")) == "2x2,4x3,8x1"
+    with pytest.raises(schedule.ScheduleError, match="cannot read"):
+        schedule.parse("3y2")
+
+
+@pytest.mark.parametrize("name", list(PAPER_SHAPES))
+def test_paper_presets_pass_every_rule(name):
+    d, layers, h_base = PAPER_SHAPES[name]
+    heads = schedule.preset(name)
+    assert len(heads) == layers
+    assert schedule.check(heads, d, h_base) == []
+
+
+@pytest.mark.parametrize(
+    "name, guidelines",
+    [("table5-config-1", {"staircase"}), ("table5-config-5", {"staircase", "head-dim"})],
+)
+def test_table5_one_layer_ramps_are_staircase_violations(name, guidelines):
+    problems = schedule.check(schedule.preset(name), 768, 12)
+    assert not [p for p in problems if p.hard]
+    assert {p.rule for p in problems} == guidelines
+    with pytest.raises(schedule.ScheduleError, match="staircase"):
+        schedule.validate(schedule.PRESETS[name], 768, 12)
+    with pytest.warns(UserWarning, match="staircase"):
+        schedule.validate(schedule.PRESETS[name], 768, 12, allow_guideline_violations=True)
+
+
+def test_every_table5_row_is_expressible_with_the_opt_in():
+    for name in [n for n in schedule.PRESETS if n.startswith("table5-")]:
+        heads = schedule.validate(schedule.PRESETS[name], 768, 12, allow_guideline_violations=True)
+        assert len(heads) == 12
+
+
+def test_head_dims_above_128_must_be_powers_of_two_up_to_256():
+    # 2 heads at d=768 is d_h 384 (the paper's -8.3 % case); 4 heads is 192
+    rules = {p.rule: p.message for p in schedule.check(schedule.preset("table5-config-7"), 768, 12)}
+    assert "head-dim" in rules and "[192, 384]" in rules["head-dim"]
+    assert schedule.check((1, 1, 2, 2) + (4,) * 4, 256, 4) == []  # the tiny preset: 256, 128, 64
+
+
+@pytest.mark.parametrize(
+    "heads, rule, text",
+    [
+        ((5, 5) + (12,) * 10, "divisibility", "layer(s) 1, 2"),
+        ((12, 8) + (12,) * 10, "monotonic", "layer(s) 2 have fewer heads"),
+        ((3, 3, 6, 6) + (8,) * 8, "final-baseline", "it has 8"),
+    ],
+)
+def test_hard_rules_name_rule_and_layers(heads, rule, text):
+    problems = [p for p in schedule.check(heads, 768, 12) if p.hard]
+    assert rule in {p.rule for p in problems}
+    assert text in next(str(p) for p in problems if p.rule == rule)
+    with pytest.raises(schedule.ScheduleError, match=rule):
+        schedule.validate(heads, 768, 12, allow_guideline_violations=True)
+
+
+def test_tensor_parallel_rule_lists_offending_layers():
+    problems = schedule.check(schedule.preset("paper-124m"), 768, 12, tp=2)
+    (tp_rule,) = [p for p in problems if p.rule == "tensor-parallel"]
+    assert "layer(s) 1, 2 have [3] heads" in tp_rule.message
+    assert schedule.check(schedule.preset("paper-757m"), 1536, 16, tp=2) == []
+    assert "tensor-parallel" in {
+        p.rule for p in schedule.check(schedule.preset("paper-757m"), 1536, 16, tp=4)
+    }
+    # the explicit opt-in (replicated layers) lifts only this rule
+    assert schedule.check(schedule.preset("paper-124m"), 768, 12, tp=2, replicate_indivisible=True) == []
+
+
+def test_baseline_preservation():
+    heads = (3, 3, 6, 6, 8, 8, 8) + (12,) * 5
+    assert "baseline-preservation" in {p.rule for p in schedule.check(heads, 768, 12)}
+
+
+@pytest.mark.parametrize("name", list(PAPER_SHAPES))
+def test_enumeration_is_exactly_the_valid_set(name):
+    d, layers, h_base = PAPER_SHAPES[name]
+    found = list(schedule.enumerate_valid(d, layers, h_base))
+    assert len(found) == len(set(found))
+    assert schedule.preset(name) in found
+    assert (h_base,) * layers in found
+    for heads in found:
+        assert schedule.check(heads, d, h_base) == [], heads
+    # brute force over small candidate sets for the 124M shape agrees with the enumerator
+    if name == "paper-124m":
+        import itertools
+
+        brute = set()
+        for combo in itertools.product((3, 6, 8, 12), repeat=6):
+            heads = tuple(combo) + (12,) * 6
+            if not schedule.check(heads, d, h_base):
+                brute.add(heads)
+        assert brute == set(found)
+
+
+def test_enumeration_respects_tp():
+    for heads in schedule.enumerate_valid(1536, 24, 16, tp=4):
+        assert all(h % 4 == 0 for h in heads)
+
+
+def test_flops_and_params_do_not_depend_on_heads():
+    for h in (3, 6, 8, 12):
+        assert schedule.layer_params(768, 2048, h) == schedule.layer_params(768, 2048, 12)
+        assert schedule.layer_flops(768, 2048, h, 1024) == schedule.layer_flops(768, 2048, 12, 1024)
+    # but the counter does see a changed shape
+    assert (
+        schedule.layer_flops(768, 2048, 12, 2048)["attention"]
+        == 2 * schedule.layer_flops(768, 2048, 12, 1024)["attention"]
+    )
+
+
+def test_cli_validate_exit_codes():
+    base = ["schedule", "validate", "--d-model", "768", "--layers", "12", "--h-base", "12", "--heads"]
+    ok = prism(*base, "3,3,6,6,8,8,12,12,12,12,12,12")
+    assert ok.returncode == 0, ok.stderr
+    assert "3x2,6x2,8x2,12x6 is valid" in ok.stdout
+    bad = prism(*base, "12,8,12,12,12,12,12,12,12,12,12,12")
+    assert bad.returncode == 2 and "monotonic" in bad.stderr
+    tp = prism(*base, "3,3,6,6,8,8,12,12,12,12,12,12", "--tp", "2")
+    assert tp.returncode == 2 and "layer(s) 1, 2" in tp.stderr
+
+
+def test_cli_show_prints_equal_totals_for_757m():
+    out = prism("schedule", "show", "configs/prism_757m.yaml")
+    assert out.returncode == 0, out.stderr
+    assert "neutrality: parameters PASS (+0), FLOPs PASS (+0)" in out.stdout
+    lines = [line for line in out.stdout.splitlines() if "block params" in line]
+    assert len(lines) == 2 and lines[0].split("block params")[1] == lines[1].split("block params")[1]
+
+
+def test_cli_enumerate_counts():
+    out = prism("schedule", "enumerate", "--d-model", "768", "--layers", "12", "--h-base", "12")
+    assert out.returncode == 0
+    count = len(list(schedule.enumerate_valid(768, 12, 12)))
+    assert out.stdout.strip().splitlines()[-1].startswith(f"{count} valid schedules")
+    assert len(out.stdout.strip().splitlines()) == count + 1
