@@ -24,5 +24,6 @@ test: lint
 demo: setup
 	$(VENV)/bin/prism demo
 
+# Speed targets: each script prints ratios measured in one run (this machine is noisy).
 bench: setup
-	$(PY) benchmarks/run_all.py
+	set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f; done

@@ -22,7 +22,6 @@ VERBS = {
     "attention-distance": "pipeline.analysis.cli",
     "sweep": "launchers.sweep_cli",
     "demo": "pipeline.demo",
-    "bench": "benchmarks.cli",
 }
 
 
