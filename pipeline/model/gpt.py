@@ -1,0 +1,249 @@
+"""Config -> megatron-core GPTModel with per-layer head counts; loss, logits and the FLOP counter.
+
+The whole Prism change is `PrismTransformerConfig.get_config_for_layer`: megatron's TransformerBlock asks it
+for every layer's config when `heterogeneous_block_specs` is set, and layer l gets h_l heads of
+d_model / h_l dims. Q, K, V and O stay d x d, so parameters and (non-attention) FLOPs do not move.
+The uniform arm is the same code with a constant schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from pipeline import schedule
+from pipeline.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PrismTransformerConfig(TransformerConfig):
+    """TransformerConfig whose layers each get their own head count (and head dim)."""
+
+    heads_per_layer: tuple[int, ...] = ()
+    rope_base: float = 10000.0  # one rotary table per distinct head dim (attention.rope_table)
+    # Opt-in: layers whose h_l is not a multiple of TP run their attention unsplit on every TP rank.
+    replicate_indivisible_layers: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.heads_per_layer) != self.num_layers:
+            raise ValueError(
+                f"heads_per_layer has {len(self.heads_per_layer)} entries for {self.num_layers} layers"
+            )
+        self.heterogeneous_block_specs = True
+
+    def get_config_for_layer(self, layer_number: int) -> TransformerConfig:
+        heads = self.heads_per_layer[layer_number - 1]  # layer_number is 1-based
+        tp = self.tensor_model_parallel_size
+        if heads % tp and self.replicate_indivisible_layers:
+            tp = 1  # only the attention is replicated (PrismSelfAttention); megatron checks heads % tp
+        return dataclasses.replace(self, num_attention_heads=heads, num_query_groups=heads,
+                                   kv_channels=self.hidden_size // heads, tensor_model_parallel_size=tp)  # fmt: skip
+
+
+def replicated_layers(cfg: Config) -> list[int]:
+    """1-based layers whose attention runs replicated on every TP rank (opt-in, indivisible h_l)."""
+    if not cfg.parallel.replicate_indivisible_layers:
+        return []
+    return [i + 1 for i, h in enumerate(cfg.heads_per_layer) if h % cfg.parallel.tp]
+
+
+def replication_overhead(cfg: Config) -> int:
+    """Extra training FLOPs per token on EACH TP rank caused by replicated attention: such a layer's QKV/O
+    projections and attention run in full on every rank instead of 1/TP of them."""
+    m, tp = cfg.model, cfg.parallel.tp
+    extra = 0
+    for layer in replicated_layers(cfg):
+        f = schedule.layer_flops(m.d_model, m.ffn_hidden_size, cfg.heads_per_layer[layer - 1], m.seq_len)
+        extra += 3 * (f["projections"] + f["attention"]) * (tp - 1) // tp
+    return extra
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    """Vocab rounded up to a multiple of 128 * TP (even TP shards, tensor-core friendly)."""
+    multiple = 128 * cfg.parallel.tp
+    return -(-cfg.model.vocab_size // multiple) * multiple
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token (forward + backward), counted per layer with the layer's own h_l * d_h,
+    plus the logits over the padded vocab. The trainer's MFU uses exactly this."""
+    m = cfg.model
+    return schedule.training_flops_per_token(
+        cfg.heads_per_layer, m.d_model, m.ffn_hidden_size, m.seq_len, padded_vocab_size(cfg),
+        gated=m.activation == "swiglu",
+    )  # fmt: skip
+
+
+def use_cuda(cfg: Config) -> bool:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{cfg.source}: train.device: 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'"
+        )
+    return want == "cuda" or (want == "auto" and torch.cuda.is_available())
+
+
+def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerConfig:
+    m, on_cuda = cfg.model, use_cuda(cfg)
+    bf16 = cfg.train.precision == "bf16"
+    return PrismTransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.d_model,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.h_base,  # model-level values = the baseline; layers override
+        num_query_groups=m.h_base,
+        kv_channels=m.d_model // m.h_base,
+        heads_per_layer=tuple(cfg.heads_per_layer),
+        tensor_model_parallel_size=cfg.parallel.tp,
+        normalization="RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=m.norm_eps,
+        add_bias_linear=m.bias,
+        gated_linear_unit=m.activation == "swiglu",
+        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        hidden_dropout=m.dropout,
+        attention_dropout=m.dropout,
+        init_method_std=m.init_std,
+        rope_base=m.rope_base,
+        replicate_indivisible_layers=cfg.parallel.replicate_indivisible_layers,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=not on_cuda or meta,
+        perform_initialization=not meta,
+    )
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(cfg: Config, *, allow_te: bool = True):
+    """megatron's GPT layer spec (TransformerEngine on CUDA when it imports, else local) with our
+    per-d_h-RoPE self-attention and the configured core attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from pipeline.model.attention import PrismSelfAttention, SDPAttention
+
+    if allow_te and use_cuda(cfg) and _te_available():
+        spec, name = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+    else:
+        norm = "RMSNorm" if cfg.model.norm == "rmsnorm" else "LayerNorm"
+        spec, name = gpt_layer_specs.get_gpt_layer_local_spec(normalization=norm), "local"
+    attn = spec.submodules.self_attention
+    attn.module = PrismSelfAttention
+    if cfg.model.attention_backend == "sdpa":
+        attn.submodules.core_attention = SDPAttention
+    log.info("model: %s layer spec, core attention %s", name, attn.submodules.core_attention.__name__)
+    return spec
+
+
+def check_buildable(cfg: Config) -> None:
+    """Refuse, before any weight exists, a schedule the TP size cannot split."""
+    from megatron.core import parallel_state
+
+    m, tp = cfg.model, cfg.parallel.tp
+    try:
+        schedule.validate(
+            cfg.heads_per_layer, m.d_model, m.h_base, tp,
+            allow_guideline_violations=cfg.schedule.allow_guideline_violations,
+            replicate_indivisible=cfg.parallel.replicate_indivisible_layers,
+        )  # fmt: skip
+    except schedule.ScheduleError as e:
+        raise ConfigError(f"{cfg.source}: schedule.heads: {e}") from None
+    if replicated_layers(cfg) and m.dropout:
+        # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
+        raise ConfigError(
+            f"{cfg.source}: model.dropout={m.dropout}: parallel.replicate_indivisible_layers needs "
+            "model.dropout=0"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        world_tp = parallel_state.get_tensor_model_parallel_world_size()
+        if world_tp != tp:
+            raise ConfigError(
+                f"{cfg.source}: parallel.tp={tp} but model parallel was initialised with TP={world_tp}; "
+                f"call pipeline.compat.init_model_parallel({tp}, seed) first"
+            )
+
+
+def build_model(cfg: Config, *, meta: bool = False):
+    """megatron-core GPTModel for ``cfg`` (call pipeline.compat.init_model_parallel first).
+
+    meta=True builds on the meta device without allocating or initialising weights (model report)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from pipeline import compat
+
+    check_buildable(cfg)
+    compat.apply_cpu_shims()
+    if replicated_layers(cfg):
+        compat.single_rank_groups()  # collective: every rank creates every 1-rank group, in order
+        share = replication_overhead(cfg) / (flops_per_token(cfg) / cfg.parallel.tp)
+        log.warning(
+            "model: layers %s have head counts not divisible by TP=%d and run their attention replicated "
+            "on every TP rank: +%s training FLOPs per token per rank (+%.1f%% of a rank's share); "
+            "the two arms are no longer compute-neutral",
+            replicated_layers(cfg), cfg.parallel.tp, f"{replication_overhead(cfg):,}", 100 * share,
+        )  # fmt: skip
+    config = transformer_config(cfg, meta=meta)
+    device = torch.device("meta") if meta else contextlib.nullcontext()
+    with device:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(cfg, allow_te=not meta),  # TE modules cannot live on meta
+            vocab_size=padded_vocab_size(cfg),
+            max_sequence_length=cfg.model.seq_len,
+            share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+            position_embedding_type="none",  # RoPE is applied per layer (PrismSelfAttention)
+        )
+    model.prism_vocab_size = cfg.model.vocab_size  # logits() cuts the padding off
+    if config.bf16 and not meta:
+        model.bfloat16()  # norms are created in fp32 otherwise
+    if use_cuda(cfg) and not meta:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
+    """[b, s, padded_vocab / TP]: this TP rank's slice of the logits."""
+    device = next(model.parameters()).device
+    return model(inputs.to(device), None, None)
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP."""
+    from megatron.core import tensor_parallel
+
+    logits = _forward_local_logits(model, tokens[:, :-1])
+    targets = tokens[:, 1:].to(logits.device)
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean()
+
+
+def logits(model, inputs: torch.Tensor) -> torch.Tensor:
+    """[b, s, vocab] logits, gathered over TP ranks, padding columns removed (for eval: the TP gather
+    carries no gradient)."""
+    from megatron.core import parallel_state
+
+    out = _forward_local_logits(model, inputs)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on both
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(
+            parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+        )
+        out = torch.cat(parts, dim=-1)
+    return out[..., : _true_vocab(model)]
+
+
+def _true_vocab(model) -> int:
+    return getattr(model, "prism_vocab_size", model.vocab_size)
