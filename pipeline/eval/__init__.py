@@ -1,0 +1,1 @@
+"""Zero-shot evaluation of checkpoints through lm-evaluation-harness (`prism eval`)."""

