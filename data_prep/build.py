@@ -1,0 +1,332 @@
+"""`prepare(cfg)`: checks, then one datatrove pipeline (reader -> TokenizeToShards) on the configured
+executor, then manifest.json.
+
+Data identity: the keys that change the tokens (input, format, columns, limit, tokenizer file hash, EOS,
+seq_len, val_fraction, packing sizes) are hashed into ``config_hash``. Execution keys (executor, workers,
+slurm) are not. ``tasks`` is not either, but it fixes the shard layout (which files each task reads, what
+each task drops): a finished dataset is reused whatever ``tasks`` is now, while an unfinished build resumes only
+with the same ``tasks`` (datatrove's completions are per rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from data_prep.corpus import build_embedded_corpus, train_bpe_tokenizer
+from data_prep.manifest import (
+    MANIFEST,
+    STATE,
+    DatasetError,
+    data_hash,
+    first_difference,
+    read_json,
+    write_manifest,
+)
+from data_prep.steps import TokenizeToShards, WriteManifest, write_atomic
+from pipeline.config import Config
+
+EMBEDDED_CORPUS_BYTES = 8_000_000  # ~2M tokens: enough for the tiny presets, built in ~20 s
+EMBEDDED_CORPUS_FILES = 8
+INPUT_GLOBS = {"parquet": "**/*.parquet", "embedded": "**/*.parquet", "jsonl": "**/*.jsonl*"}
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+# --- input ------------------------------------------------------------------------------------------
+def check_input(cfg: Config) -> None:
+    """Local input: the folder exists, holds files of the format, and parquet files have the text column."""
+    d = cfg.data
+    if _is_remote(d.input):
+        return  # listed by the reader inside the tasks; no network probe here
+    root = Path(d.input.removeprefix("file://"))
+    if not root.exists():
+        raise DatasetError(
+            f"data.input={d.input}: path not found; point it at a folder of {d.input_format} files"
+        )
+    files = sorted(root.glob(INPUT_GLOBS[d.input_format])) if root.is_dir() else [root]
+    if not files:
+        raise DatasetError(
+            f"data.input={d.input}: no {d.input_format} files in it; add some or fix data.input / data.input_format"
+        )
+    if d.input_format in ("parquet", "embedded"):
+        import pyarrow.parquet as pq
+
+        for f in files:
+            try:
+                names = pq.read_schema(f).names
+            except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+                raise DatasetError(f"{f}: not a readable parquet file ({e})") from None
+            if d.text_key not in names:
+                raise DatasetError(
+                    f"{f}: no column {d.text_key!r} (columns: {', '.join(names)}); set data.text_key to the text column"
+                )
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_tokenizer(cfg: Config) -> str:
+    """Path of a local tokenizer.json: the configured file, or a Hub name fetched (or found in the HF cache)."""
+    name = cfg.data.tokenizer
+    if Path(name).is_file():
+        return name
+    if name.endswith(".json") or os.sep in name and not _looks_like_hub_repo(name):
+        raise DatasetError(
+            f"data.tokenizer={name}: tokenizer file not found; pass the path of a tokenizer.json"
+        )
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(name, "tokenizer.json", local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached: try the Hub below
+        pass
+    if not _hub_reachable():
+        raise DatasetError(
+            f"data.tokenizer={name}: a Hub name, and the Hub is unreachable (offline); pass a local tokenizer.json "
+            "path, e.g. data.tokenizer=runs/data/embedded-bpe8k.json"
+        )
+    try:
+        return hf_hub_download(name, "tokenizer.json")
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(
+            f"data.tokenizer={name}: no tokenizer.json on the Hub ({type(e).__name__}); pass a local tokenizer.json path"
+        ) from None
+
+
+def _looks_like_hub_repo(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/")) and not Path(name).parent.is_dir()
+
+
+def tokenizer_info(path: str, eos_token: str, vocab_limit: int) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(f"{path}: not a tokenizers tokenizer.json ({e}); pass a valid file") from None
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise DatasetError(f"data.eos_token={eos_token!r} is not in the tokenizer {path}; set data.eos_token")
+    vocab = tok.get_vocab_size()
+    if vocab > vocab_limit:
+        raise DatasetError(
+            f"model.vocab_size={vocab_limit} is smaller than the tokenizer's vocabulary ({vocab}); set "
+            f"model.vocab_size={vocab}"
+        )
+    sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {"name_or_path": path, "vocab_size": vocab, "eos_id": eos_id, "sha256": sha}
+
+
+def data_identity(cfg: Config, tok: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes the bytes of the shards (flat, dotted keys so a refusal can name one)."""
+    d = cfg.data
+    return {
+        "data.input": d.input,
+        "data.input_format": d.input_format,
+        "data.text_key": d.text_key,
+        "data.id_key": d.id_key,
+        "data.limit": d.limit,
+        "data.tokenizer": d.tokenizer,
+        "tokenizer.sha256": tok["sha256"],
+        "data.eos_token": d.eos_token,
+        "data.val_fraction": d.val_fraction,
+        "model.seq_len": cfg.model.seq_len,
+        "data.sequences_per_sample": d.sequences_per_sample,
+        "data.samples_per_shard": d.samples_per_shard,
+        "data.val_samples_per_shard": d.val_samples_per_shard,
+        "dtype": "uint16" if tok["vocab_size"] <= 2**16 else "uint32",
+    }
+
+
+# --- output folder ------------------------------------------------------------------------------------
+def check_output(out: Path, ident: dict[str, Any], tasks: int, overwrite: bool) -> str:
+    """'done' (a finished dataset of this config), 'resume', or 'fresh'; refuses a foreign folder."""
+    if not out.exists() or not any(out.iterdir()):
+        return "fresh"
+    hint = "use another data.dataset_dir, or pass --overwrite to delete it and rebuild"
+    manifest, state = out / MANIFEST, out / STATE
+    if overwrite:
+        if not manifest.exists() and not state.exists() and not (out / "train").exists():
+            raise DatasetError(
+                f"{out}: holds files that are not a Prism dataset; refusing to delete it with --overwrite"
+            )
+        shutil.rmtree(out)
+        return "fresh"
+    if manifest.exists():
+        old = read_json(manifest).get("config", {})
+        if (diff := first_difference(old, ident)) is None:
+            return "done"
+        raise DatasetError(
+            f"{out}: holds a dataset made with another data config, first differing key {diff}; {hint}"
+        )
+    if state.exists():
+        old_state = read_json(state)
+        if (diff := first_difference(old_state["identity"], ident)) is not None:
+            raise DatasetError(
+                f"{out}: holds an unfinished build of another data config, first differing key {diff}; {hint}"
+            )
+        if old_state["tasks"] != tasks:
+            raise DatasetError(
+                f"{out}: an unfinished build with data.tasks={old_state['tasks']}, now data.tasks={tasks} (tasks fix "
+                f"the shard layout); resume with data.tasks={old_state['tasks']}, or pass --overwrite"
+            )
+        return "resume"
+    raise DatasetError(f"{out}: exists and holds files that are not a Prism dataset; {hint}")
+
+
+# --- executor ---------------------------------------------------------------------------------------------
+def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> list:
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+
+    d = cfg.data
+    reader_cls = JsonlReader if d.input_format == "jsonl" else ParquetReader
+    reader = reader_cls(d.input, limit=d.limit, text_key=d.text_key, id_key=d.id_key,
+                        glob_pattern=INPUT_GLOBS[d.input_format])  # fmt: skip
+    writer = TokenizeToShards(
+        dataset_dir=str(Path(d.dataset_dir).resolve()),
+        tokenizer_name_or_path=str(Path(tokenizer_path).resolve()),
+        eos_token=d.eos_token,
+        seq_len=cfg.model.seq_len,
+        sequences_per_sample=d.sequences_per_sample,
+        samples_per_shard={"train": d.samples_per_shard, "val": d.val_samples_per_shard},
+        val_fraction=d.val_fraction,
+        dtype=ident["dtype"],
+    )
+    return [reader, writer]
+
+
+def build_executor(cfg: Config, pipeline: list, logs_dir: Path):
+    """The configured datatrove executor around ``pipeline`` (the same list for local and Slurm)."""
+    d = cfg.data
+    if d.executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        # fork, not datatrove's default forkserver: forkserver re-imports __main__ and hangs unguarded scripts.
+        return LocalPipelineExecutor(pipeline, tasks=d.tasks, workers=d.workers, logging_dir=str(logs_dir),
+                                     start_method="fork")  # fmt: skip
+    from datatrove.executor import SlurmPipelineExecutor
+
+    s = d.slurm
+    if not s.partition:
+        raise DatasetError(
+            "data.executor=slurm needs data.slurm.partition; set it, e.g. data.slurm.partition=cpu"
+        )
+    import sys
+
+    return SlurmPipelineExecutor(
+        pipeline,
+        tasks=d.tasks,
+        workers=d.workers,
+        time=s.time,
+        partition=s.partition,
+        cpus_per_task=s.cpus_per_task,
+        mem_per_cpu_gb=s.mem_per_cpu_gb,
+        sbatch_args=dict(s.sbatch_args),
+        max_array_launch_parallel=s.max_array_launch_parallel,
+        logging_dir=str(logs_dir),
+        job_name=f"prism-prepare-{Path(d.dataset_dir).name}",
+        venv_path=str(Path(sys.prefix) / "bin" / "activate"),
+    )
+
+
+def build_manifest_executor(cfg: Config, shards_executor, logs_dir: Path):
+    """Slurm: a one-task job that depends on the shard array and writes manifest.json."""
+    from datatrove.executor import SlurmPipelineExecutor
+
+    s = cfg.data.slurm
+    return SlurmPipelineExecutor(
+        [WriteManifest(str(Path(cfg.data.dataset_dir).resolve()))],
+        tasks=1,
+        time="00:30:00",
+        partition=s.partition,
+        cpus_per_task=1,
+        mem_per_cpu_gb=s.mem_per_cpu_gb,
+        sbatch_args=dict(s.sbatch_args),
+        logging_dir=str(logs_dir.with_name("manifest-logs")),
+        job_name=f"prism-manifest-{Path(cfg.data.dataset_dir).name}",
+        venv_path=shards_executor.venv_path,
+        depends=shards_executor,
+    )
+
+
+# --- entry point ------------------------------------------------------------------------------------------
+def prepare_inputs(cfg: Config) -> str:
+    """Embedded format: build the corpus and train the tokenizer when missing. Returns the tokenizer path."""
+    d = cfg.data
+    if d.input_format == "embedded":
+        if not Path(d.input).exists():
+            build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
+        if d.tokenizer.endswith(".json") and not Path(d.tokenizer).exists():  # a path, not a Hub name
+            train_bpe_tokenizer(d.input, d.tokenizer, cfg.model.vocab_size, d.eos_token)
+    check_input(cfg)
+    return resolve_tokenizer(cfg)
+
+
+def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
+    """Build (or resume) ``cfg.data.dataset_dir``; returns the path of its manifest.json.
+
+    With ``data.executor=slurm`` this submits the job array (+ a dependent manifest job) and returns the path the
+    manifest will have once those jobs finished.
+    """
+    d = cfg.data
+    if d.val_samples_per_shard < 1 or d.tasks < 1:
+        raise DatasetError("data.val_samples_per_shard and data.tasks must be >= 1")
+    tokenizer_path = prepare_inputs(cfg)
+    tok = tokenizer_info(tokenizer_path, d.eos_token, cfg.model.vocab_size)
+    ident = data_identity(cfg, tok)
+    out = Path(d.dataset_dir)
+    status = check_output(out, ident, d.tasks, overwrite)
+    if status == "done":
+        if not quiet:
+            print(
+                f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do"
+            )
+        return out / MANIFEST
+    (out / ".prep").mkdir(parents=True, exist_ok=True)
+    if status == "fresh":
+        state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
+        write_atomic(out / STATE, _json(state))
+    logs_dir = (out / ".prep" / "logs").resolve()
+    executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident), logs_dir)
+    start = time.perf_counter()
+    if d.executor == "slurm":
+        build_manifest_executor(cfg, executor, logs_dir).run()  # launches its dependency (the array) first
+        if not quiet:
+            print(f"prism prepare: submitted Slurm job {executor.job_id} ({d.tasks} tasks); "
+                  f"{out / MANIFEST} appears when it finishes")  # fmt: skip
+        return out / MANIFEST
+    executor.run()
+    manifest_path = write_manifest(out)
+    if not quiet:
+        m = read_json(manifest_path)
+        t, secs = m["totals"], time.perf_counter() - start
+        print(
+            f"prism prepare: {t['documents']} documents, {t['tokens_written']} tokens written "
+            f"({t['tokens_dropped']} dropped) in {t['shards']} shards (train {len(m['splits']['train']['shards'])}, "
+            f"val {len(m['splits']['val']['shards'])}), {t['tokens_encoded'] / max(secs, 1e-9):,.0f} tokens/s "
+            f"-> {manifest_path}"
+        )
+    return manifest_path
+
+
+def _json(obj: Any) -> bytes:
+    import json
+
+    return (json.dumps(obj, indent=1) + "\n").encode()

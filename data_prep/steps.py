@@ -1,0 +1,220 @@
+"""The datatrove step that tokenises documents, packs them into fixed-length sequences and writes shards.
+
+One task's output is a deterministic function of its input files: documents are read in file order,
+routed to train or val by a stable hash of their id, encoded with EOS appended, concatenated into one token
+stream per split and cut into rows of ``seq_len + 1`` tokens. Rows group into samples (one tar member each)
+and samples into shards. End-of-task rule: only whole shards are written; the tokens that do not fill one at
+the end of a task (at most one shard's worth per split) are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.tokenization import PipelineStepWithTokenizer
+
+SPLITS = ("train", "val")
+TAR_MTIME = 0  # fixed tar metadata: shards are byte-reproducible
+TAR_OWNER = "prism"
+
+
+def is_val(doc_id: str, val_fraction: float) -> bool:
+    """Stable per-document split: the first 8 bytes of sha256(id) as a fraction of 2**64."""
+    h = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+    return h < val_fraction * 2**64
+
+
+def shard_name(split: str, rank: int, index: int) -> str:
+    return f"{split}/shard-{rank:05d}-{index:06d}.tar"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temp name in the same folder, fsync, then rename: a half-written file never looks valid."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
+    """One webdataset tar: member ``<key>.tokens`` per sample, raw C-order bytes, fixed metadata.
+
+    The same members webdataset's TarWriter writes (ustar, mode 0o444), built with tarfile directly:
+    importing webdataset imports torch, seconds per task on a CPU node for nothing.
+    """
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, sample in enumerate(samples):
+            data = sample.tobytes()
+            info = tarfile.TarInfo(f"{key_prefix}-{i:06d}.tokens")
+            info.size, info.mtime, info.mode = len(data), TAR_MTIME, 0o444
+            info.uname = info.gname = TAR_OWNER
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class _SplitPacker:
+    """Token stream of one split in one task; emits a shard whenever a whole one is buffered."""
+
+    def __init__(self, split, rank, out_dir, seq_len, sequences_per_sample, samples_per_shard, dtype):
+        self.split, self.rank, self.out_dir = split, rank, out_dir
+        self.shape = (samples_per_shard, sequences_per_sample, seq_len + 1)
+        self.shard_tokens = int(np.prod(self.shape))
+        self.dtype = dtype
+        self.pending: list[np.ndarray] = []
+        self.pending_len = 0
+        self.shards: list[dict] = []
+        self.documents = 0
+        self.tokens_encoded = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.documents += 1
+        self.tokens_encoded += len(ids)
+        self.pending.append(np.asarray(ids, dtype=self.dtype))
+        self.pending_len += len(ids)
+        while self.pending_len >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            self._write_shard(stream[: self.shard_tokens].reshape(self.shape))
+            rest = stream[self.shard_tokens :]
+            self.pending, self.pending_len = [rest], len(rest)
+
+    def _write_shard(self, samples: np.ndarray) -> None:
+        index = len(self.shards)
+        rel = shard_name(self.split, self.rank, index)
+        data = encode_tar(samples, f"{self.split}-{self.rank:05d}-{index:06d}")
+        write_atomic(self.out_dir / rel, data)
+        self.shards.append(
+            {
+                "path": rel,
+                "samples": self.shape[0],
+                "tokens": self.shard_tokens,
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }  # fmt: skip
+        )
+
+    @property
+    def tokens_written(self) -> int:
+        return self.shard_tokens * len(self.shards)
+
+    def summary(self) -> dict:
+        return {
+            "documents": self.documents,
+            "tokens_encoded": self.tokens_encoded,
+            "tokens_written": self.tokens_written,
+            "tokens_dropped": self.tokens_encoded - self.tokens_written,
+            "shards": self.shards,
+        }
+
+
+class TokenizeToShards(PipelineStepWithTokenizer):
+    """Reader documents in, webdataset shards + a per-rank record (``.prep/ranks/RRRRR.json``) out."""
+
+    name = "🧱 Tokenize + pack to webdataset shards"
+    type = "✍️ - WRITER"
+    _requires_dependencies = ["tokenizers"]
+
+    def __init__(
+        self,
+        dataset_dir: str,
+        tokenizer_name_or_path: str,
+        eos_token: str,
+        seq_len: int,
+        sequences_per_sample: int,
+        samples_per_shard: dict[str, int],
+        val_fraction: float,
+        dtype: str,
+        batch_size: int = 1000,
+    ):
+        super().__init__(tokenizer_name_or_path, eos_token)
+        self.dataset_dir = str(dataset_dir)
+        self.seq_len = seq_len
+        self.sequences_per_sample = sequences_per_sample
+        self.samples_per_shard = dict(samples_per_shard)
+        self.val_fraction = val_fraction
+        self.dtype = dtype
+        self.batch_size = batch_size
+
+    def _clear_rank(self, out_dir: Path, rank: int) -> None:
+        """A rerun redoes the task from scratch: drop whatever a killed attempt left for this rank."""
+        for split in SPLITS:
+            (out_dir / split).mkdir(parents=True, exist_ok=True)
+            for p in (out_dir / split).glob(f"*shard-{rank:05d}-*"):
+                p.unlink()
+        (out_dir / ".prep" / "ranks" / f"{rank:05d}.json").unlink(missing_ok=True)
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        out_dir = Path(self.dataset_dir)
+        self._clear_rank(out_dir, rank)
+        tokenizer = self.tokenizer
+        # Text that happens to contain "<|endoftext|>" is encoded as plain text: EOS only ends documents.
+        tokenizer.encode_special_tokens = True
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
+        packers = {
+            split: _SplitPacker(
+                split,
+                rank,
+                out_dir,
+                self.seq_len,
+                self.sequences_per_sample,
+                self.samples_per_shard[split],
+                self.dtype,
+            )  # fmt: skip
+            for split in SPLITS
+        }
+
+        def flush(batch):
+            with self.track_time(unit="batch"):
+                for doc, enc in zip(batch, encode([d.text for d in batch])):
+                    split = "val" if is_val(str(doc.id), self.val_fraction) else "train"
+                    packers[split].add(enc.ids)
+                    self.stat_update(f"{split}_documents")
+                    self.stat_update("tokens_encoded", value=len(enc.ids))
+
+        batch = []
+        for doc in data:
+            batch.append(doc)
+            if len(batch) >= self.batch_size:
+                flush(batch)
+                batch = []
+        if batch:
+            flush(batch)
+
+        record = {"rank": rank, "world_size": world_size}
+        record.update({split: p.summary() for split, p in packers.items()})
+        for split, p in packers.items():
+            self.stat_update(f"{split}_shards", value=len(p.shards), unit="task")
+            self.stat_update("tokens_written", value=p.tokens_written, unit="task")
+            self.stat_update("tokens_dropped", value=p.tokens_encoded - p.tokens_written, unit="task")
+        ranks_dir = out_dir / ".prep" / "ranks"
+        ranks_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(ranks_dir / f"{rank:05d}.json", json.dumps(record, indent=1).encode())
+        return
+        yield  # a generator, like every datatrove step; it passes nothing on
+
+
+class WriteManifest(PipelineStep):
+    """One-task step run after all shard tasks (a dependent Slurm job): assembles manifest.json."""
+
+    name = "📜 Write manifest"
+    type = "✍️ - WRITER"
+
+    def __init__(self, dataset_dir: str):
+        super().__init__()
+        self.dataset_dir = str(dataset_dir)
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from data_prep.manifest import write_manifest
+
+        write_manifest(Path(self.dataset_dir))
+        return
+        yield

@@ -1,0 +1,346 @@
+"""Data prep on real datatrove executors and real tar files (issue 3).
+
+The session fixture `tiny_data` (tests/conftest.py) is a LocalPipelineExecutor run with tasks=2 over an
+8-file FineWeb-schema corpus; the tests here check it against an independent re-tokenisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from data_prep.build import build_executor, build_pipeline, prepare
+from data_prep.corpus import FINEWEB_SCHEMA, build_embedded_corpus, train_bpe_tokenizer
+from data_prep.manifest import DatasetError, verify
+from data_prep.steps import TokenizeToShards
+from pipeline import cli, config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny_prism.yaml"
+
+
+def load(tiny_data, *extra: str) -> config.Config:
+    return config.load(TINY, tiny_data.overrides + list(extra))
+
+
+def read_samples(dataset_dir: Path, shard: dict, m: dict) -> list[np.ndarray]:
+    shape = (m["sequences_per_sample"], m["seq_len"] + 1)
+    with tarfile.open(dataset_dir / shard["path"]) as tar:
+        members = tar.getmembers()
+        return [np.frombuffer(tar.extractfile(t).read(), dtype=m["dtype"]).reshape(shape) for t in members]
+
+
+def expected_streams(tiny_data, m: dict, tasks: int) -> dict[tuple[int, str], tuple[np.ndarray, list[str]]]:
+    """Independent re-tokenisation: per (rank, split), the EOS-joined token stream and its documents."""
+    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
+    tok.encode_special_tokens = True
+    eos = m["tokenizer"]["eos_id"]
+    frac = m["config"]["data.val_fraction"]
+    files = sorted(tiny_data.corpus_dir.glob("*.parquet"))
+    out = {}
+    for rank in range(tasks):
+        docs = {"train": [], "val": []}
+        for f in files[rank::tasks]:  # datatrove's ParquetReader: whole files, round-robin over ranks
+            t = pq.read_table(f)
+            for doc_id, text in zip(t.column("id").to_pylist(), t.column("text").to_pylist()):
+                h = int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big")
+                docs["val" if h < frac * 2**64 else "train"].append(text)
+        for split, texts in docs.items():
+            ids = [np.array(e.ids + [eos]) for e in tok.encode_batch(texts, add_special_tokens=False)]
+            out[rank, split] = (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64), texts)
+    return out
+
+
+# --- the fixture dataset (tasks=2) ----------------------------------------------------------------------
+def test_tasks2_dataset_matches_an_independent_tokenisation(tiny_data):
+    m, root = tiny_data.manifest, tiny_data.dataset_dir
+    assert m["tasks"] == 2 and m["dtype"] == "uint16" and m["seq_len"] == 128
+    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
+    eos = m["tokenizer"]["eos_id"]
+    assert eos == tok.token_to_id("<|endoftext|>")
+    expected = expected_streams(tiny_data, m, tasks=2)
+
+    encoded = sum(len(stream) for stream, _ in expected.values())
+    t = m["totals"]
+    assert t["tokens_written"] + t["tokens_dropped"] == t["tokens_encoded"] == encoded
+    assert t["documents"] == sum(len(texts) for _, texts in expected.values())
+    assert t["documents"] == pq.ParquetDataset(tiny_data.corpus_dir).read(columns=["id"]).num_rows
+
+    seen_texts = {"train": set(), "val": set()}
+    for split in ("train", "val"):
+        per_shard = m["splits"][split]["samples_per_shard"]
+        assert m["splits"][split]["shards"], f"no {split} shards"
+        for rank in range(2):
+            shards = [
+                s for s in m["splits"][split]["shards"] if s["path"].startswith(f"{split}/shard-{rank:05d}-")
+            ]
+            assert [s["path"] for s in shards] == [
+                f"{split}/shard-{rank:05d}-{i:06d}.tar" for i in range(len(shards))
+            ]
+            rows = []
+            for s in shards:
+                samples = read_samples(root, s, m)
+                assert len(samples) == s["samples"] == per_shard
+                assert s["tokens"] == per_shard * m["sequences_per_sample"] * 129
+                rows += [r for sample in samples for r in sample]
+            written = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+            stream, texts = expected[rank, split]
+            # End-of-task rule: what is written is a prefix of the task's stream; less than a shard is dropped.
+            assert np.array_equal(written, stream[: len(written)])
+            assert len(stream) - len(written) < per_shard * m["sequences_per_sample"] * 129
+            # Every complete document decodes back to its original text, in order.
+            pieces = np.split(written, np.flatnonzero(written == eos) + 1)[:-1]
+            for piece, text in zip(pieces, texts):
+                assert tok.decode(piece[:-1].tolist(), skip_special_tokens=False) == text
+            seen_texts[split].update(texts[: len(pieces)])
+    assert seen_texts["val"] and not (seen_texts["train"] & seen_texts["val"])
+    assert verify(root) == []
+
+
+def test_tar_members_are_webdataset_samples(tiny_data):
+    import webdataset as wds
+
+    m, root = tiny_data.manifest, tiny_data.dataset_dir
+    shard = m["splits"]["val"]["shards"][0]
+    samples = list(wds.WebDataset(str(root / shard["path"]), shardshuffle=False))
+    assert len(samples) == m["splits"]["val"]["samples_per_shard"]
+    assert all("." not in s["__key__"] and set(s) >= {"__key__", "tokens"} for s in samples)
+    assert len(samples[0]["tokens"]) == m["sequences_per_sample"] * (m["seq_len"] + 1) * 2
+    with tarfile.open(root / shard["path"]) as tar:
+        assert {(t.mtime, t.uid, t.gid, t.uname) for t in tar.getmembers()} == {(0, 0, 0, "prism")}
+
+
+def test_same_input_gives_identical_bytes_and_a_done_folder_is_left_alone(tiny_data, tmp_path, capsys):
+    again = prepare(load(tiny_data, f"data.dataset_dir={tmp_path / 'again'}"), quiet=True)
+    assert again.read_bytes() == (tiny_data.dataset_dir / "manifest.json").read_bytes()
+    for shard in tiny_data.manifest["splits"]["train"]["shards"]:
+        assert (tmp_path / "again" / shard["path"]).read_bytes() == (
+            tiny_data.dataset_dir / shard["path"]
+        ).read_bytes()
+    # A finished dataset of the same data config is reused, even with another task count (execution key).
+    before = again.stat().st_mtime_ns
+    assert prepare(load(tiny_data, f"data.dataset_dir={tmp_path / 'again'}", "data.tasks=3")) == again
+    assert "up to date" in capsys.readouterr().out and again.stat().st_mtime_ns == before
+
+
+# --- resume after a killed run --------------------------------------------------------------------------
+RUNNER = "import sys; from pipeline import config; from data_prep.build import prepare; " \
+         "prepare(config.load(sys.argv[1], sys.argv[2:]))"  # fmt: skip
+
+
+def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
+    # Small shards and one worker: task 1 writes many shards after task 0 completed, so the kill lands mid-task.
+    common = ["data.samples_per_shard=1", "data.val_samples_per_shard=1", "data.workers=1"]
+    killed_dir = tmp_path / "killed"
+    args = [
+        sys.executable,
+        "-c",
+        RUNNER,
+        str(TINY),
+        *tiny_data.overrides,
+        *common,
+        f"data.dataset_dir={killed_dir}",
+    ]
+    proc = subprocess.Popen(
+        args, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    first_of_task1 = killed_dir / "train" / "shard-00001-000000.tar"
+    deadline = time.monotonic() + 120
+    while not first_of_task1.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    completions = killed_dir / ".prep" / "logs" / "completions"
+    assert (completions / "00000").exists() and not (completions / "00001").exists(), "kill missed task 1"
+    assert not (killed_dir / "manifest.json").exists()
+    assert first_of_task1.exists()  # task 1 left partial output behind
+    # An unfinished build resumes only with the same task count (it fixes the shard layout).
+    with pytest.raises(DatasetError, match="data.tasks=2"):
+        prepare(load(tiny_data, *common, f"data.dataset_dir={killed_dir}", "data.tasks=3"))
+
+    task0 = {p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")}
+    resumed = prepare(load(tiny_data, *common, f"data.dataset_dir={killed_dir}"), quiet=True)
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")
+    } == task0  # skipped
+    clean = prepare(load(tiny_data, *common, f"data.dataset_dir={tmp_path / 'clean'}"), quiet=True)
+    assert resumed.read_bytes() == clean.read_bytes()
+    assert verify(killed_dir) == []
+    assert not [p for p in killed_dir.rglob("*") if ".tmp-" in p.name]
+
+
+# --- refusals -------------------------------------------------------------------------------------------
+def one_line_refusal(cfg: config.Config, match: str, **kw) -> str:
+    with pytest.raises(DatasetError, match=match) as e:
+        prepare(cfg, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_refuses_bad_input(tiny_data, tmp_path):
+    d = f"data.dataset_dir={tmp_path / 'out'}", "data.input_format=parquet"  # embedded would build it
+    one_line_refusal(load(tiny_data, *d, f"data.input={tmp_path / 'nowhere'}"), "path not found")
+    (tmp_path / "empty").mkdir()
+    one_line_refusal(load(tiny_data, *d, f"data.input={tmp_path / 'empty'}"), "no parquet files")
+    (tmp_path / "notext").mkdir()
+    pq.write_table(pa.table({"content": ["hello world"], "id": ["a"]}), tmp_path / "notext" / "x.parquet")
+    msg = one_line_refusal(load(tiny_data, *d, f"data.input={tmp_path / 'notext'}"), "no column 'text'")
+    assert "data.text_key" in msg
+    one_line_refusal(
+        load(tiny_data, *d, f"data.tokenizer={tmp_path / 'missing.json'}"), "tokenizer file not found"
+    )
+    one_line_refusal(load(tiny_data, *d, "model.vocab_size=4096"), "model.vocab_size=4096 is smaller")
+    assert not (tmp_path / "out").exists()  # nothing written by a refused run
+
+
+def test_refuses_hub_tokenizer_offline(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # empty cache
+    msg = one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path}/o", "data.tokenizer=gpt2"), "Hub")
+    assert "pass a local tokenizer.json" in msg
+
+
+def test_refuses_a_folder_of_another_config_unless_overwrite(tiny_data, tmp_path):
+    msg = one_line_refusal(load(tiny_data, "data.val_fraction=0.1"), "another data config")
+    assert "data.val_fraction" in msg and "--overwrite" in msg
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path / 'foreign'}"), "not a Prism dataset")
+    one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path / 'foreign'}"), "not a Prism dataset",
+                     overwrite=True)  # fmt: skip
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_data.dataset_dir, copy)
+    rebuilt = prepare(
+        load(tiny_data, f"data.dataset_dir={copy}", "data.val_fraction=0.1"), overwrite=True, quiet=True
+    )
+    m = json.loads(rebuilt.read_text())
+    assert m["config"]["data.val_fraction"] == 0.1
+    assert m["totals"]["documents"] == tiny_data.manifest["totals"]["documents"]
+    assert len(m["splits"]["val"]["shards"]) > len(tiny_data.manifest["splits"]["val"]["shards"])
+    assert verify(copy) == []
+
+
+def test_verify_reports_shards_that_do_not_match(tiny_data, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_data.dataset_dir, copy)
+    assert cli.main(["prepare", "--verify", str(copy)]) == 0
+    shards = tiny_data.manifest["splits"]["train"]["shards"]
+    corrupt = copy / shards[0]["path"]
+    data = bytearray(corrupt.read_bytes())
+    data[1024] ^= 0xFF  # a token byte inside the first member
+    corrupt.write_bytes(bytes(data))
+    (copy / shards[1]["path"]).unlink()
+    truncated = copy / shards[2]["path"]
+    with tarfile.open(truncated) as tar:
+        first = tar.getmembers()[0]
+        body = tar.extractfile(first).read()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:  # a shard with one sample instead of 16
+        tar.addfile(first, io.BytesIO(body))
+    truncated.write_bytes(buf.getvalue())
+    shutil.copy(copy / shards[3]["path"], copy / "train" / "shard-00009-000000.tar")
+    capsys.readouterr()
+    assert cli.main(["prepare", "--verify", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"prism prepare: error: {copy}: manifest does not match its shards")
+    report = "\n".join(err)
+    assert f"{shards[0]['path']}: sha256 differs" in report
+    assert f"{shards[1]['path']}: missing" in report
+    assert f"{shards[2]['path']}: 1 samples, manifest says 16" in report
+    assert "train/shard-00009-000000.tar: shard file not listed" in report
+
+
+# --- executors, inputs ------------------------------------------------------------------------------------
+def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
+    from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
+
+    cfg = load(tiny_data, "data.executor=slurm", "data.slurm.partition=cpu", "data.tasks=4", "data.workers=2",
+               "data.slurm.time=01:00:00", "data.slurm.cpus_per_task=3")  # fmt: skip
+    ident = {"data.samples_per_shard": 16, "data.val_samples_per_shard": 2, "dtype": "uint16"}
+    pipeline = build_pipeline(cfg, str(tiny_data.tokenizer), ident)
+    slurm = build_executor(cfg, pipeline, tmp_path / "logs")
+    assert isinstance(slurm, SlurmPipelineExecutor) and slurm.pipeline is pipeline
+    assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].eos_token == "<|endoftext|>"
+    script = slurm.get_launch_file_contents(
+        slurm.get_sbatch_args(max_array=4), "launch_pickled_pipeline x.pik"
+    )
+    for line in ("--partition=cpu", "--array=0-3%2", "--cpus-per-task=3", "--time=01:00:00"):
+        assert f"#SBATCH {line}" in script
+    assert f"source {sys.prefix}/bin/activate" in script
+    local = build_executor(load(tiny_data), pipeline, tmp_path / "logs2")
+    assert (
+        isinstance(local, LocalPipelineExecutor)
+        and local.pipeline is pipeline
+        and local.start_method == "fork"
+    )
+    with pytest.raises(DatasetError, match="data.slurm.partition"):
+        build_executor(load(tiny_data, "data.executor=slurm"), pipeline, tmp_path / "logs3")
+
+
+def test_jsonl_input(tiny_data, tmp_path):
+    (tmp_path / "in").mkdir()
+    texts = pq.read_table(sorted(tiny_data.corpus_dir.glob("*.parquet"))[0]).column("text").to_pylist()
+    with open(tmp_path / "in" / "docs.jsonl", "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"text": text, "id": f"doc-{i}"}) + "\n")
+    cfg = load(tiny_data, f"data.input={tmp_path / 'in'}", "data.input_format=jsonl", "data.tasks=1",
+               f"data.dataset_dir={tmp_path / 'out'}", "data.samples_per_shard=4")  # fmt: skip
+    m = json.loads(prepare(cfg, quiet=True).read_text())
+    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
+    tok.encode_special_tokens = True
+    assert m["totals"]["tokens_encoded"] == sum(
+        len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False)
+    )
+    assert m["totals"]["documents"] == len(texts) and m["splits"]["train"]["shards"]
+
+
+def test_embedded_corpus_and_tokenizer_are_reproducible(tmp_path):
+    a = build_embedded_corpus(tmp_path / "a", max_bytes=400_000, num_files=3)
+    b = build_embedded_corpus(tmp_path / "b", max_bytes=400_000, num_files=3)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == ["corpus-00000.parquet", "corpus-00001.parquet", "corpus-00002.parquet"]
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    schema = pq.read_schema(a / files[0])
+    assert [(f.name, str(f.type)) for f in schema] == [
+        (n, t.replace("float64", "double")) for n, t in FINEWEB_SCHEMA
+    ]
+    table = pq.ParquetDataset(a).read()
+    assert table.num_rows >= 3 and sum(len(t) for t in table.column("text").to_pylist()) >= 400_000 * 0.9
+    assert len(set(table.column("id").to_pylist())) == table.num_rows
+    t1 = train_bpe_tokenizer(a, tmp_path / "t1.json", vocab_size=1024, eos_token="<|endoftext|>")
+    t2 = train_bpe_tokenizer(b, tmp_path / "t2.json", vocab_size=1024, eos_token="<|endoftext|>")
+    assert t1.read_bytes() == t2.read_bytes()
+    tok = Tokenizer.from_file(str(t1))
+    assert tok.get_vocab_size() == 1024 and tok.token_to_id("<|endoftext|>") == 0
+    text = table.column("text")[0].as_py()
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_shard_bytes_equal_webdataset_tarwriter_output():
+    from webdataset import TarWriter
+
+    from data_prep.steps import encode_tar
+
+    samples = np.arange(3 * 4 * 9, dtype=np.uint16).reshape(3, 4, 9)
+    buf = io.BytesIO()
+    with TarWriter(buf, user="prism", group="prism", mtime=0, encoder=False) as tar:
+        for i, sample in enumerate(samples):
+            tar.write({"__key__": f"train-00000-000000-{i:06d}", "tokens": sample.tobytes()})
+    assert encode_tar(samples, "train-00000-000000") == buf.getvalue()
