@@ -1,0 +1,223 @@
+"""Every megatron-core (and, below, DeepSpeed) quirk in one place.
+
+Megatron-core assumes CUDA in a few spots (STACK.md lists them). On a CPU-only torch we swap in small
+CPU equivalents, and only then: with CUDA present nothing here patches anything.
+
+  1. `model_parallel_cuda_manual_seed` / the RNG tracker use `torch.cuda` RNG states -> a CPU tracker;
+  2. `get_global_memory_buffer()` allocates on the current CUDA device -> a CPU buffer;
+  3. the default causal mask in fused_softmax is built on "cuda" -> built on the CPU;
+  4. `RotaryEmbedding.get_emb` moves `inv_freq` to CUDA -> not used: pipeline.model builds its own
+     rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CPU_SHIMS_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_shims() -> None:
+    """Patch the CUDA-only spots of megatron-core with CPU versions (idempotent; no-op with CUDA)."""
+    global _CPU_SHIMS_APPLIED
+    if _CPU_SHIMS_APPLIED or cuda_available():
+        return
+    from megatron.core.fusions import fused_softmax
+
+    def causal_mask_cpu(sq: int) -> torch.Tensor:
+        return torch.ones(sq, sq, dtype=torch.bool).triu_(diagonal=1)
+
+    # fused_softmax imported the function by name, so patch that module's binding (shim 3).
+    fused_softmax.get_default_causal_mask = causal_mask_cpu
+    _CPU_SHIMS_APPLIED = True
+
+
+def _install_cpu_memory_buffer() -> None:
+    """Shim 2: the buffer DotProductAttention takes its score matrix from, allocated on the CPU."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CpuMemoryBuffer(GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            numel = 1
+            for n in tensor_shape:
+                numel *= n
+            buf = self.buffer.get((name, dtype))
+            if buf is None or buf.numel() < numel:
+                buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
+            return buf[:numel].view(*tensor_shape)
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+
+
+def _seed_model_parallel_cpu(seed: int) -> None:
+    """Shim 1: megatron's RNG tracker (used by attention dropout in TP regions) on CPU RNG states."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if name in self.states_:
+                raise ValueError(f"RNG state {name} already exists")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.states_[name] = torch.get_rng_state()
+            self.seeds_.add(seed)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    tracker = CpuRNGStatesTracker()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    # Same seed layout as model_parallel_cuda_manual_seed: default = seed, TP regions = seed+2718+rank.
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+_SINGLE_RANK_GROUPS: list | None = None
+
+
+def single_rank_groups() -> list:
+    """One process group per global rank holding only that rank (a "TP group" of size 1 for replicated
+    attention). Collective: the first call must happen on every rank."""
+    global _SINGLE_RANK_GROUPS
+    if _SINGLE_RANK_GROUPS is None:
+        world = torch.distributed.get_world_size()
+        _SINGLE_RANK_GROUPS = [torch.distributed.new_group([r]) for r in range(world)]
+    return _SINGLE_RANK_GROUPS
+
+
+def init_distributed() -> None:
+    """torch.distributed from torchrun's env (NCCL on GPU, gloo on CPU), else a gloo world of 1."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if cuda_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_model_parallel(tp: int, seed: int) -> None:
+    """torch.distributed (if needed), megatron's parallel_state with TP=tp, and the model-parallel RNG.
+
+    Calling it again with another TP size tears the old groups down first (tests switch TP 1 -> 2)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    if world % tp:
+        from pipeline.config import ConfigError
+
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)  # CPU-initialised master weights draw from the default generator
+    if cuda_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        apply_cpu_shims()
+        _install_cpu_memory_buffer()
+        _seed_model_parallel_cpu(seed)
+
+
+# ======================================================================================================
+# DeepSpeed (trainer, issue 5): the mpu adapter, the CPU comm-op build skip, environment defaults.
+# ======================================================================================================
+class MegatronMpu:
+    """The ``mpu`` object ``deepspeed.initialize`` expects, answered from megatron's parallel_state.
+
+    parallel_state lacks get_model_parallel_rank/world_size (AttributeError inside DeepSpeed). Passing no mpu
+    at TP>1 is worse: DeepSpeed then all-reduces over the whole world and counts every TP shard as a
+    replica, so the grad norm (and the clipping) is silently wrong. TP is our only model-parallel dimension
+    (no pipeline parallelism), so "model parallel" == "tensor parallel" here.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core import parallel_state
+
+        self.ps = parallel_state
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return self.ps.get_tensor_model_parallel_group()
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.ps.get_tensor_model_parallel_src_rank()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return self.ps.get_data_parallel_group()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return torch.distributed.get_process_group_ranks(self.get_data_parallel_group())
+
+
+def import_deepspeed():
+    """Import DeepSpeed with our defaults: CPU accelerator without CUDA, a persistent JIT cache, and no
+    shared-memory comm-op build on CPU (a ~40 s g++ JIT on first use; gloo does the collectives anyway)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    if not cuda_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not cuda_available():
+        # `import deepspeed.comm.torch as m` yields the torch package (deepspeed.comm re-exports a name
+        # `torch`), so patch the module object itself before the first init_distributed builds the op.
+        importlib.import_module("deepspeed.comm.torch")
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    # deepspeed.initialize asserts LOCAL_RANK is set; a plain single process (gloo world of 1) has none.
+    dist = torch.distributed
+    if "LOCAL_RANK" not in os.environ and dist.is_initialized() and dist.get_world_size() == 1:
+        os.environ["LOCAL_RANK"] = "0"
+    for name in ("DeepSpeed", "deepspeed"):  # DeepSpeed logs every step at INFO otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed

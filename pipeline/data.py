@@ -1,0 +1,315 @@
+"""The data-parallel shard loader over a data-prep manifest (see the dataset contract in ARCHITECTURE.md).
+
+Order is a pure function of (seed, epoch, DP rank, DP size), so a run resumes exactly from a saved position:
+- each epoch the split's shard list is shuffled with a seeded RNG (the same on every rank), DP rank r takes
+  shards r, r+DP, r+2DP, ... and the remainder is dropped so every rank sees equally many samples (uneven
+  counts would hang collectives);
+- samples inside a shard are visited in a per-(epoch, shard) seeded order, rows of a sample in order;
+- TP peers pass the same *data-parallel* rank and therefore get identical batches. We never read the global
+  RANK that webdataset's split_by_node uses.
+
+A background thread reads, verifies (size always, sha256 once per shard open: one extra pass over bytes
+already in memory) and slices shards ahead of the consumer; the position handed out with each batch is the
+position *after* it, so ``state_dict()`` describes what the training loop has consumed, not what was
+prefetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import queue
+import tarfile
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import Config, ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSIONS = (1,)
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ConfigError):
+    """The dataset on disk cannot be used with this config (one line: what is wrong and how to fix it)."""
+
+
+# --- manifest -----------------------------------------------------------------------------------------
+def read_manifest(dataset_dir: str | Path) -> dict[str, Any]:
+    path = Path(dataset_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path}: no manifest; prepare the dataset first with `prism prepare CONFIG`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}: manifest is not valid JSON ({e}); re-run `prism prepare` with overwrite"
+        ) from None
+    if manifest.get("format_version") not in FORMAT_VERSIONS:
+        raise DataError(
+            f"{path}: format_version {manifest.get('format_version')!r} is not one this loader reads "
+            f"{FORMAT_VERSIONS}; re-prepare the dataset with this version of prism"
+        )
+    if manifest.get("dtype") not in DTYPES:
+        raise DataError(f"{path}: dtype {manifest.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    return manifest
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
+    """Refuse a dataset whose tokenizer, vocab or sequence length disagree with the model config."""
+    where = Path(cfg.data.dataset_dir) / MANIFEST
+    tok = manifest["tokenizer"]
+    if manifest["seq_len"] != cfg.model.seq_len:
+        raise DataError(
+            f"{where}: dataset seq_len={manifest['seq_len']} but model.seq_len={cfg.model.seq_len}; "
+            f"set model.seq_len={manifest['seq_len']} or re-prepare the data"
+        )
+    if tok["vocab_size"] > cfg.model.vocab_size:  # smaller is fine: the embedding has unused rows
+        raise DataError(
+            f"{where}: dataset tokenizer vocab_size={tok['vocab_size']} exceeds model.vocab_size="
+            f"{cfg.model.vocab_size}; set model.vocab_size={tok['vocab_size']} or re-prepare with the right tokenizer"
+        )
+    local = Path(cfg.data.tokenizer)
+    if local.is_file():
+        sha = _sha256_file(local)
+        if tok.get("sha256") and sha != tok["sha256"]:
+            raise DataError(
+                f"{where}: dataset was tokenized with a different tokenizer (sha256 {tok['sha256'][:12]}) than "
+                f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); point data.tokenizer at the "
+                f"dataset's tokenizer or re-prepare"
+            )
+    else:  # a Hub name: data prep recorded the name it was given
+        used = manifest.get("config", {}).get("data.tokenizer", tok.get("name_or_path"))
+        if used != cfg.data.tokenizer:
+            raise DataError(
+                f"{where}: dataset tokenizer {used!r} differs from data.tokenizer={cfg.data.tokenizer!r}; "
+                f"use the same tokenizer or re-prepare"
+            )
+
+
+# --- one shard ----------------------------------------------------------------------------------------
+class Shard:
+    """A whole shard in memory, verified, with its samples as ``[sequences_per_sample, seq_len+1]`` views."""
+
+    def __init__(
+        self, dataset_dir: Path, entry: dict[str, Any], manifest: dict[str, Any], samples_per_shard: int
+    ):
+        path = dataset_dir / entry["path"]
+        if not path.is_file():
+            raise DataError(f"{path}: shard listed in the manifest is missing; re-run `prism prepare`")
+        data = path.read_bytes()
+        if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise DataError(
+                f"{path}: sha256 does not match the manifest (corrupted shard); re-run `prism prepare`"
+            )
+        dtype = DTYPES[manifest["dtype"]]
+        rows, cols = manifest["sequences_per_sample"], manifest["seq_len"] + 1
+        nbytes = rows * cols * np.dtype(dtype).itemsize
+        self.samples: list[np.ndarray] = []
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    if member.size != nbytes or not member.name.endswith(".tokens"):
+                        raise DataError(
+                            f"{path}: member {member.name} has {member.size} bytes, expected a .tokens sample of "
+                            f"{nbytes} ({rows}x{cols} {manifest['dtype']}); the shard is corrupt, re-run `prism prepare`"
+                        )
+                    view = np.frombuffer(data, dtype=dtype, count=rows * cols, offset=member.offset_data)
+                    self.samples.append(view.reshape(rows, cols))
+        except tarfile.TarError as e:
+            raise DataError(
+                f"{path}: not a readable tar ({e}); the shard is corrupt, re-run `prism prepare`"
+            ) from None
+        if len(self.samples) != samples_per_shard or len(self.samples) != entry["samples"]:
+            raise DataError(
+                f"{path}: holds {len(self.samples)} samples, manifest says {entry['samples']} (split samples_per_shard="
+                f"{samples_per_shard}); the shard is truncated or corrupt, re-run `prism prepare`"
+            )
+
+
+# --- the loader ---------------------------------------------------------------------------------------
+@dataclass
+class Position:
+    epoch: int = 0
+    shard_cursor: int = 0  # index into this rank's shard list of the epoch
+    sample_cursor: int = 0  # index into the shard's shuffled sample order
+    seq_cursor: int = 0  # row inside the current sample
+
+
+class ShardLoader:
+    """Yields int64 ``[batch_size, seq_len+1]`` numpy batches of the train split for one DP rank, forever."""
+
+    def __init__(self, cfg: Config, *, dp_rank: int, dp_size: int, batch_size: int, split: str = "train",
+                 prefetch: int | None = None, manifest: dict[str, Any] | None = None):  # fmt: skip
+        self.dataset_dir = Path(cfg.data.dataset_dir)
+        self.manifest = manifest if manifest is not None else read_manifest(self.dataset_dir)
+        check_compatible(self.manifest, cfg)
+        if split not in self.manifest["splits"]:
+            raise DataError(f"{self.dataset_dir / MANIFEST}: no {split!r} split; re-run `prism prepare`")
+        info = self.manifest["splits"][split]
+        self.shards: list[dict[str, Any]] = info["shards"]
+        self.samples_per_shard = int(info["samples_per_shard"])
+        self.seed, self.dp_rank, self.dp_size, self.batch_size = cfg.run.seed, dp_rank, dp_size, batch_size
+        self.shards_per_rank = len(self.shards) // dp_size
+        if self.shards_per_rank == 0:
+            raise DataError(
+                f"{self.dataset_dir / MANIFEST}: the {split} split has {len(self.shards)} shards, fewer than the "
+                f"{dp_size} data-parallel ranks; re-prepare with a smaller data.samples_per_shard"
+            )
+        self._check_sizes()
+        self.prefetch = max(1, cfg.train.prefetch if prefetch is None else prefetch)
+        self.position = Position()  # after the last batch handed to the caller
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _check_sizes(self) -> None:
+        """Cheap check at start-up: every shard exists and is at least as large as its samples need."""
+        m = self.manifest
+        sample_bytes = m["sequences_per_sample"] * (m["seq_len"] + 1) * np.dtype(DTYPES[m["dtype"]]).itemsize
+        need = self.samples_per_shard * (sample_bytes + 512)  # + one tar header per member
+        for entry in self.shards:
+            path = self.dataset_dir / entry["path"]
+            if not path.is_file():
+                raise DataError(f"{path}: shard listed in the manifest is missing; re-run `prism prepare`")
+            size = path.stat().st_size
+            if size < need or entry["samples"] != self.samples_per_shard:
+                raise DataError(
+                    f"{path}: {size} bytes / {entry['samples']} samples, expected >= {need} bytes for "
+                    f"{self.samples_per_shard} samples; the shard is truncated, re-run `prism prepare`"
+                )
+
+    # order: pure functions of (seed, epoch, rank)
+    def epoch_shards(self, epoch: int) -> list[int]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        mine = order[self.dp_rank :: self.dp_size][: self.shards_per_rank]
+        return [int(i) for i in mine]
+
+    def sample_order(self, epoch: int, shard: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.samples_per_shard)
+
+    # position
+    def state_dict(self) -> dict[str, Any]:
+        return {**asdict(self.position), "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["dp_size"], state["seed"]) != (self.dp_size, self.seed):
+            raise DataError(
+                f"loader position was saved with DP={state['dp_size']}, seed={state['seed']}; this run has "
+                f"DP={self.dp_size}, seed={self.seed}; resume with the same number of data-parallel ranks"
+            )
+        self.close()
+        self.position = Position(**{k: int(state[k]) for k in asdict(Position())})
+
+    # reading
+    def _produce(self, start: Position) -> None:
+        p = Position(**asdict(start))
+        rows: list[np.ndarray] = []
+        have = 0
+        try:
+            while not self._stop.is_set():
+                shard_ids = self.epoch_shards(p.epoch)
+                shard_id = shard_ids[p.shard_cursor]
+                shard = Shard(self.dataset_dir, self.shards[shard_id], self.manifest, self.samples_per_shard)
+                order = self.sample_order(p.epoch, shard_id)
+                while p.sample_cursor < len(order):
+                    sample = shard.samples[order[p.sample_cursor]]
+                    take = min(self.batch_size - have, len(sample) - p.seq_cursor)
+                    rows.append(sample[p.seq_cursor : p.seq_cursor + take])
+                    have += take
+                    p.seq_cursor += take
+                    if p.seq_cursor == len(sample):
+                        p.sample_cursor, p.seq_cursor = p.sample_cursor + 1, 0
+                    if have == self.batch_size:
+                        batch = np.concatenate(rows).astype(np.int64)
+                        rows, have = [], 0
+                        after = Position(**asdict(p))
+                        if after.sample_cursor == len(order):  # at a shard's end, point at the next one
+                            after = self._next_shard(after)
+                        if not self._put((batch, after)):
+                            return
+                p = self._next_shard(p)
+        except BaseException as e:  # hand errors to the consumer instead of dying silently
+            self._put((e, None))
+
+    def _next_shard(self, p: Position) -> Position:
+        p = Position(p.epoch, p.shard_cursor + 1, 0, 0)
+        if p.shard_cursor == self.shards_per_rank:
+            p = Position(p.epoch + 1, 0, 0, 0)
+        return p
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self.position,), daemon=True, name="prism-loader"
+        )
+        self._thread.start()
+
+    def next_batch(self) -> np.ndarray:
+        if self._thread is None:
+            self._start()
+        batch, after = self._queue.get()
+        if isinstance(batch, BaseException):
+            self.close()
+            raise batch
+        self.position = after
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._queue = None
+
+
+def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.ndarray:
+    """The fixed validation set: the first ``train.val_tokens // seq_len`` rows of the val split, in manifest
+    and tar order (no shuffle), so both arms and every DP size see the same tokens. ``[n, seq_len+1]``."""
+    dataset_dir = Path(cfg.data.dataset_dir)
+    manifest = manifest if manifest is not None else read_manifest(dataset_dir)
+    check_compatible(manifest, cfg)
+    info = manifest["splits"].get("val")
+    want = max(1, cfg.train.val_tokens // cfg.model.seq_len)
+    rows: list[np.ndarray] = []
+    have = 0
+    for entry in (info or {}).get("shards", []):
+        for sample in Shard(dataset_dir, entry, manifest, int(info["samples_per_shard"])).samples:
+            rows.append(sample[: want - have])
+            have += len(rows[-1])
+            if have == want:
+                return np.concatenate(rows)
+    if not rows:
+        raise DataError(
+            f"{dataset_dir / MANIFEST}: the val split is empty; prepare with data.val_fraction > 0"
+        )
+    return np.concatenate(rows)  # fewer rows than asked for: the whole split

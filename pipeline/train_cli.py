@@ -1,0 +1,37 @@
+"""`prism train CONFIG [overrides]`: one process, or one of many under torchrun / srun.
+
+Exit codes (launchers act on them): 0 token budget done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1/SIGUSR2
+after writing a checkpoint (requeue), 4 non-finite loss (diagnostics written, last good checkpoint kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train (or resume) one run with DeepSpeed + Megatron-core",
+        description="Train one run; resumes automatically from <checkpoint_dir>/latest. "
+        "Exit codes: 0 done, 2 bad input, 3 stopped by a signal after a checkpoint (requeue), 4 NaN/inf loss.",
+    )
+    p.add_argument("config", help="YAML preset, e.g. configs/tiny_prism.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tp=2")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline import config
+    from pipeline.train import setup_threads, train
+
+    cfg = config.load(args.config, args.overrides)
+    setup_threads()
+    try:
+        summary = train(cfg)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary["exit_code"]
