@@ -1,0 +1,284 @@
+"""Sweeps of `prism train` over arms x scales x seeds x schedules, one submitit job per grid point.
+
+    from launchers import sweep
+    s = sweep.submit(arms=["prism", "uniform"], scales=["124m"], seeds=[1, 2, 3], executor="slurm",
+                     gpus_per_node=8, timeout_min=120)
+    s.wait()                      # results of every job; s.manifest_path maps grid point -> job -> run
+
+The grid goes out as one job array (`executor.batch()`). Each job is a submitit `Checkpointable`: on the
+pre-timeout/preemption signal it asks its `prism train` processes to checkpoint, then returns a
+DelayedSubmission, so submitit requeues it and the requeued job resumes from `latest`. Inside a job, one
+task per node starts `torchrun` with the layout from `submitit.helpers.TorchDistributedEnvironment`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from pipeline import config, schedule
+from pipeline.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_VALID = "all-valid"
+EXIT_STOPPED = 3  # prism train: checkpointed after a stop signal
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    arm: str
+    scale: str
+    seed: int
+    schedule: str | None  # compact schedule, or None for the preset's own
+
+    @property
+    def label(self) -> str:
+        tail = f" {self.schedule}" if self.schedule else ""
+        return f"{self.arm}-{self.scale}-s{self.seed}{tail}"
+
+
+def preset_path(arm: str, scale: str) -> Path:
+    """configs/<arm>_<scale>.yaml; the CPU presets are named tiny_<arm>.yaml."""
+    name = f"tiny_{arm}.yaml" if scale == "tiny" else f"{arm}_{scale}.yaml"
+    path = ROOT / "configs" / name
+    if not path.is_file():
+        known = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+        raise ConfigError(
+            f"sweep: no preset for arm={arm!r} scale={scale!r} ({path} missing); presets: {', '.join(known)}"
+        )
+    return path
+
+
+def _override_list(overrides: dict[str, Any] | list[str] | None) -> list[str]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in overrides.items()]
+    return [str(o) for o in overrides]
+
+
+def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str]) -> list[str | None]:
+    """None -> the preset's schedule; "all-valid" -> every schedule of the preset's shape; else a list."""
+    if schedules in (None, [], ()):
+        return [None]
+    if schedules == ALL_VALID:
+        base = config.load(preset_path(arm, scale), overrides)
+        m = base.model
+        found = [
+            schedule.compact(h)
+            for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
+        ]
+        if not found:
+            raise ConfigError(
+                f"sweep: schedules=all-valid found no valid schedule for {scale} (d_model {m.d_model})"
+            )
+        return found
+    if isinstance(schedules, str):
+        raise ConfigError(f"sweep: schedules={schedules!r}; use a list of schedules, {ALL_VALID!r} or null")
+    return [schedule.compact(schedule.parse(s)) for s in schedules]
+
+
+def build_grid(arms: list[str], scales: list[str], seeds: list[int], schedules: Any = None,
+               overrides: dict[str, Any] | list[str] | None = None) -> list[tuple[GridPoint, config.Config, list[str]]]:  # fmt: skip
+    """Every grid point with its validated config and the overrides that reproduce it from the preset."""
+    for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
+        if not values:
+            raise ConfigError(f"sweep: {key} is empty; give at least one value")
+    base_overrides = _override_list(overrides)
+    grid = []
+    for arm, scale in itertools.product(arms, scales):
+        per_arm = expand_schedules(schedules, arm, scale, base_overrides)
+        for seed, sched in itertools.product(seeds, per_arm):
+            point = GridPoint(arm, scale, int(seed), sched)
+            extra = [f"run.seed={int(seed)}"]
+            if sched is not None:
+                if arm == "uniform" and len(set(schedule.parse(sched))) > 1:
+                    raise ConfigError(
+                        f"sweep: arm 'uniform' cannot run schedule {sched}; sweep schedules with arms: [prism]"
+                    )
+                # The run name is {arm}-{scale}-s{seed} for every schedule: give each its own run folder.
+                out = config.load(preset_path(arm, scale), base_overrides).run.output_dir
+                extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
+            ov = base_overrides + extra
+            grid.append((point, config.load(preset_path(arm, scale), ov), ov))
+    return grid
+
+
+class TrainJob(submitit.helpers.Checkpointable):
+    """One grid point: `prism train CONFIG OVERRIDES` under torchrun on every node of the job."""
+
+    def __init__(self, config_path: str, overrides: list[str], nproc_per_node: int = 0, grace_s: int = 150):
+        self.config_path, self.overrides = config_path, list(overrides)
+        self.nproc_per_node, self.grace_s = nproc_per_node, grace_s
+        self._proc: subprocess.Popen | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # the pickle submitit requeues must not hold the live process
+        return {k: v for k, v in self.__dict__.items() if k != "_proc"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _proc=None)
+
+    def command(self) -> list[str]:
+        dist = submitit.helpers.TorchDistributedEnvironment()  # one task per node: rank = node rank
+        nproc = self.nproc_per_node or _gpus_on_node() or 1
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={dist.world_size}",
+                f"--node-rank={dist.rank}", f"--nproc-per-node={nproc}", f"--master-addr={dist.master_addr}",
+                f"--master-port={dist.master_port}", "-m", "pipeline.cli", "train", self.config_path,
+                *self.overrides]  # fmt: skip
+
+    def __call__(self) -> dict[str, Any]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self.grace_s),
+               "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"}  # fmt: skip
+        cmd = self.command()
+        print("sweep job:", " ".join(cmd), flush=True)
+        self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+        while (rc := self._proc.poll()) is None:  # poll, not wait(): the signal handler reaps too
+            time.sleep(0.5)
+        if rc != 0:
+            why = "stopped by a signal after a checkpoint" if rc == EXIT_STOPPED else "failed"
+            raise RuntimeError(f"prism train {why} (exit {rc}); its log is this job's stdout/stderr")
+        cfg = config.load(self.config_path, self.overrides)
+        return {"run_name": cfg.run_name, "checkpoint_dir": str(cfg.checkpoint_dir), "exit_code": rc}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit on global rank 0 when the job is about to time out or is preempted."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)  # torchrun hands it to the workers; the trainer checkpoints
+            deadline = time.monotonic() + self.grace_s + 15
+            while time.monotonic() < deadline:
+                pid, _ = os.waitpid(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                time.sleep(0.2)
+            else:
+                proc.kill()
+        return super().checkpoint(*args, **kwargs)
+
+
+def _gpus_on_node() -> int:
+    value = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    return int(value) if value.isdigit() else 0
+
+
+@dataclasses.dataclass
+class Sweep:
+    folder: Path
+    manifest_path: Path
+    points: list[GridPoint]
+    jobs: list[Any]
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> list[Any]:
+        """Results of all jobs in grid order; raises TimeoutError naming the unfinished jobs."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not all(j.done() for j in self.jobs):
+            if deadline is not None and time.monotonic() > deadline:
+                left = [
+                    f"{p.label} (job {j.job_id}, {j.state})"
+                    for p, j in zip(self.points, self.jobs)
+                    if not j.done()
+                ]
+                raise TimeoutError(
+                    f"sweep {self.folder}: not finished after {timeout_s} s: {', '.join(left)}"
+                )
+            time.sleep(poll_s)
+        return [j.result() for j in self.jobs]
+
+
+def make_executor(folder: Path, executor: str, *, nodes: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1,
+                  timeout_min: int = 240, partition: str | None = None, signal_delay_s: int = 180,
+                  array_parallelism: int = 256, job_name: str = "prism-sweep",
+                  additional_parameters: dict[str, Any] | None = None) -> submitit.Executor:  # fmt: skip
+    if executor not in ("slurm", "local"):
+        raise ConfigError(f"sweep: executor={executor!r}; use 'slurm' or 'local'")
+    ex = submitit.AutoExecutor(folder=folder / "submitit" / "%j", cluster=executor)
+    params: dict[str, Any] = {"nodes": nodes, "tasks_per_node": 1, "cpus_per_task": cpus_per_task,
+                              "timeout_min": timeout_min, "name": job_name,
+                              "slurm_signal_delay_s": signal_delay_s, "slurm_array_parallelism": array_parallelism}  # fmt: skip
+    if gpus_per_node:
+        params["gpus_per_node"] = gpus_per_node
+    if partition:
+        params["slurm_partition"] = partition
+    if additional_parameters:
+        params["slurm_additional_parameters"] = dict(additional_parameters)
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit(arms: list[str], scales: list[str], seeds: list[int], schedules: Any = None,
+           overrides: dict[str, Any] | list[str] | None = None, executor: str = "slurm",
+           folder: str | Path | None = None, name: str = "sweep", nproc_per_node: int = 0,
+           **executor_params: Any) -> Sweep:  # fmt: skip
+    """Submit one job per grid point as one submitit job array; write the sweep manifest; return at once.
+
+    executor_params go to make_executor (nodes, gpus_per_node, cpus_per_task, timeout_min, partition,
+    signal_delay_s, array_parallelism, additional_parameters)."""
+    grid = build_grid(arms, scales, seeds, schedules, overrides)
+    folder = Path(folder) if folder else ROOT / "runs" / "sweeps" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    ex = make_executor(folder, executor, job_name=f"prism-{name}", **executor_params)
+    grace = max(30, int(executor_params.get("signal_delay_s", 180)) - 30)
+    jobs = []
+    with ex.batch():  # one sbatch --array for the whole grid
+        for _, cfg, ov in grid:
+            jobs.append(
+                ex.submit(TrainJob(str(preset_path(cfg.run.arm, cfg.run.scale)), ov, nproc_per_node, grace))
+            )
+    manifest = {
+        "name": name,
+        "executor": executor,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "folder": str(folder),
+        "jobs": [
+            {"arm": p.arm, "scale": p.scale, "seed": p.seed, "schedule": schedule.compact(cfg.heads_per_layer),
+             "job_id": str(job.job_id), "run_name": cfg.run_name, "experiment": cfg.experiment,
+             "tracking_uri": cfg.tracking.uri, "run_dir": str(cfg.run_dir), "config": str(preset_path(p.arm, p.scale)),
+             "overrides": ov}
+            for (p, cfg, ov), job in zip(grid, jobs)
+        ],
+    }  # fmt: skip
+    manifest_path = folder / "sweep.json"
+    tmp = manifest_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(manifest_path)
+    return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    """A sweep YAML: arms, scales, seeds, schedules (list | all-valid | null), overrides, executor, slurm:{...}."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: sweep spec not found")
+    spec = yaml.safe_load(path.read_text()) or {}
+    allowed = {
+        "name",
+        "arms",
+        "scales",
+        "seeds",
+        "schedules",
+        "overrides",
+        "executor",
+        "folder",
+        "nproc_per_node",
+        "slurm",
+    }
+    if not isinstance(spec, dict) or set(spec) - allowed:
+        bad = sorted(set(spec) - allowed) if isinstance(spec, dict) else ["<top level>"]
+        raise ConfigError(f"{path}: unknown key {bad[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    for key in ("arms", "scales", "seeds"):
+        if not isinstance(spec.get(key), list) or not spec[key]:
+            raise ConfigError(f"{path}: {key} must be a non-empty list")
+    spec.setdefault("name", path.stem)
+    return spec

@@ -1,0 +1,54 @@
+"""`prism sweep SPEC.yaml [--dry-run]`: submit a grid of training runs (launchers/sweep.py) or print it."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="submit arms x scales x seeds x schedules as one submitit job array",
+                       description="SPEC.yaml keys: name, arms, scales, seeds, schedules (list | all-valid | null), "
+                       "overrides (mapping or list of dotted overrides), executor (slurm | local), folder, "
+                       "nproc_per_node, slurm (nodes, gpus_per_node, cpus_per_task, timeout_min, partition, "
+                       "signal_delay_s, array_parallelism, additional_parameters).")  # fmt: skip
+    p.add_argument("spec", help="sweep YAML")
+    p.add_argument("--dry-run", action="store_true", help="print the grid and the job count; submit nothing")
+    p.add_argument("--executor", choices=["slurm", "local"], help="override the spec's executor")
+    p.add_argument("--wait", action="store_true", help="block until every job finished; exit 1 if one failed")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from launchers import sweep
+
+    spec = sweep.load_spec(args.spec)
+    grid = sweep.build_grid(
+        spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides")
+    )
+    if args.dry_run:
+        print(f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name")
+        for i, (p, cfg, _) in enumerate(grid):
+            from pipeline import schedule
+
+            print(
+                f"{i:>4}  {p.arm:<8} {p.scale:<6} {p.seed:>6}  {schedule.compact(cfg.heads_per_layer)}  -> {cfg.run_name}"
+            )
+        print(f"jobs: {len(grid)}")
+        return 0
+    s = sweep.submit(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"),
+                     executor=args.executor or spec.get("executor", "slurm"), folder=spec.get("folder"),
+                     name=spec["name"], nproc_per_node=int(spec.get("nproc_per_node", 0)),
+                     **(spec.get("slurm") or {}))  # fmt: skip
+    for p, job in zip(s.points, s.jobs):
+        print(f"{p.label}: job {job.job_id}")
+    print(f"jobs: {len(s.jobs)}; manifest {s.manifest_path}")
+    if args.wait:
+        failed = 0
+        for p, job in zip(s.points, s.jobs):
+            try:
+                job.result()
+            except Exception as e:  # a failed job must not hide the others' results
+                failed += 1
+                print(f"{p.label}: job {job.job_id} failed: {str(e).splitlines()[-1] if str(e) else e}")
+        return 1 if failed else 0
+    return 0
