@@ -111,6 +111,8 @@ class DataConfig:
     val_fraction: float = 0.005
     sequences_per_sample: int = 16  # sequences packed into one tar member
     samples_per_shard: int = 256
+    # val is tiny (val_fraction): its own shard size, or the end-of-task rule would drop all of it
+    val_samples_per_shard: int = 8
     executor: Literal["local", "slurm"] = "local"
     tasks: int = 1
     workers: int = -1
@@ -120,7 +122,7 @@ class DataConfig:
 @dataclass
 class TrackingConfig:
     enabled: bool = True
-    uri: str | None = None  # None: sqlite:///<run dir>/mlflow.db; http://host:port for a server
+    uri: str | None = None  # None: sqlite:///<run.output_dir>/mlflow.db (both arms); or http://host:port
     experiment: str | None = None  # None: prism-<scale>
     milestones: list[float] = field(default_factory=list)  # val-loss thresholds, first crossing logged
     system_metrics: bool = True

@@ -1,0 +1,166 @@
+"""`prism demo` (what `make demo` runs): the whole study in miniature, offline, on CPU.
+
+Embedded corpus + BPE tokenizer -> `prism prepare` -> `prism train` for tiny_uniform and tiny_prism (same data,
+seed and token budget; each arm a clean subprocess through the real DeepSpeed path) -> both logged to one
+SQLite MLflow store (<run.output_dir>/mlflow.db) -> `prism compare` table and plots, next to the unigram
+entropy of the training tokens (a model that learned nothing beyond token frequencies scores about that).
+A second run reuses the dataset and skips arms whose MLflow run already FINISHED with the same config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ARMS = ("uniform", "prism")
+# Keys both arms must share for the comparison to mean anything (the schedule is what differs).
+SHARED_KEYS = ("run.seed", "train", "data", "model.seq_len", "model.num_layers", "model.d_model")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, <= 15 min on 2 cores)")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x"
+    )
+    p.add_argument(
+        "--preset-dir", default="configs", help="folder holding tiny_uniform.yaml / tiny_prism.yaml"
+    )
+    p.set_defaults(func=run)
+
+
+def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
+    """(entropy of the train split's token frequencies, cross-entropy of that unigram on val, train tokens).
+
+    Both in nats per token, like the loss. The val figure uses add-one smoothing so unseen tokens count.
+    """
+    import json
+
+    import numpy as np
+
+    manifest = json.loads(manifest_path.read_text())
+    root, dtype, vocab = (
+        manifest_path.parent,
+        np.dtype(manifest["dtype"]),
+        manifest["tokenizer"]["vocab_size"],
+    )
+
+    def counts(split: str) -> np.ndarray:
+        total = np.zeros(vocab, dtype=np.int64)
+        for shard in manifest["splits"][split]["shards"]:
+            with tarfile.open(root / shard["path"]) as tar:
+                for member in tar:
+                    if member.isfile() and member.name.endswith(".tokens"):
+                        rows = np.frombuffer(tar.extractfile(member).read(), dtype=dtype)
+                        rows = rows.reshape(-1, manifest["seq_len"] + 1)[:, 1:]  # the predicted tokens
+                        total += np.bincount(rows.ravel().astype(np.int64), minlength=vocab)[:vocab]
+        return total
+
+    train, val = counts("train"), counts("val")
+    p = train[train > 0] / train.sum()
+    entropy = float(-(p * np.log(p)).sum())
+    smoothed = (train + 1) / (train.sum() + vocab)
+    cross = float(-(val * np.log(smoothed)).sum() / max(1, val.sum()))
+    return entropy, cross, int(train.sum())
+
+
+def finished_run(cfg) -> str | None:
+    """Run id of an already FINISHED MLflow run of exactly this config, if the store has one."""
+    from pipeline.mlflow_tracking import default_uri
+
+    uri = default_uri(cfg)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    if exp is None:
+        return None
+    found = client.search_runs([exp.experiment_id],
+                               filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = "
+                               f"'FINISHED' and tags.config_hash = '{cfg.hash()}'", max_results=1)  # fmt: skip
+    return found[0].info.run_id if found else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline import config
+    from pipeline.config import ConfigError, changed_keys
+    from pipeline.mlflow_tracking import default_uri
+
+    t0 = time.monotonic()
+    presets = {arm: str(Path(args.preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
+    cfgs = {arm: config.load(path, args.overrides) for arm, path in presets.items()}
+    differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
+    if differ:
+        raise ConfigError(
+            f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}"
+        )
+    cfg = cfgs["prism"]
+    steps = cfg.steps(1)["total"]
+    say(f"prism demo: the Prism study in miniature on CPU; takes <= 15 minutes on 2 cores (first run), "
+        f"reruns reuse the data and finished runs. {steps} steps x {cfg.train.batch_tokens} tokens per arm.")  # fmt: skip
+
+    say("[1/4] data: embedded corpus + BPE tokenizer + prism prepare")
+    # data_prep.build directly: an editable install made before data_prep/__init__.py existed sees a
+    # namespace package (no `prepare` attribute) when run from outside the repo.
+    from data_prep.build import prepare
+
+    manifest = prepare(cfg)
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for i, arm in enumerate(ARMS, start=2):
+        c = cfgs[arm]
+        done = finished_run(c)
+        if done:
+            say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
+            continue
+        say(
+            f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]"
+        )
+        cmd = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *args.overrides]
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc != 0:
+            say(f"prism demo: `{' '.join(cmd[2:])}` exited with {rc}; rerun `make demo` to resume it")
+            return rc
+
+    say(f"[4/4] compare  [{elapsed(t0)} so far]")
+    from pipeline.compare import compare
+
+    uri = default_uri(cfg)
+    result = compare(cfg.experiment, uri, Path(cfg.run.output_dir) / "compare" / cfg.experiment)
+    print(result["table"])
+    for p in result["paths"]:
+        print(f"  {p}")
+    entropy, cross, tokens = unigram_entropy(Path(manifest))
+    finals = {r["arm"]: r["final_val_loss_mean"] for r in result["rows"]}
+    print(f"\nUnigram entropy of the {tokens:,} training tokens: {entropy:.3f} nats "
+          f"(that unigram's cross-entropy on val: {cross:.3f}).")  # fmt: skip
+    for arm in ARMS:
+        gap = finals[arm] - cross
+        where = "below" if gap < 0 else "ABOVE"
+        print(
+            f"  final val loss {arm:>7}: {finals[arm]:.3f}  ({abs(gap):.3f} nats {where} the unigram baseline)"
+        )
+    if not all(finals[a] < cross for a in ARMS if not math.isnan(finals[a])):
+        print(
+            "  note: a val loss is not below the unigram baseline: the budget is too small to learn context"
+        )
+    print(f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
+          f"tick both runs, Compare.")  # fmt: skip
+    say(f"prism demo: done in {elapsed(t0)}")
+    return 0
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def elapsed(t0: float) -> str:
+    s = int(time.monotonic() - t0)
+    return f"{s // 60} min {s % 60:02d} s"

@@ -1,0 +1,410 @@
+"""MLflow tracking for one training run, with a local journal so an outage loses nothing.
+
+Every call is first appended to ``<checkpoint_dir>/tracking.jsonl`` (append-only, one JSON record per line,
+with the wall-clock timestamp MLflow will store) and then delivered. When delivery fails (server down,
+HTTP error, locked database) training goes on; the records stay pending and are replayed in order the next
+time a delivery succeeds, or by ``prism tracking sync RUN_DIR``. A replay sends the same keys, steps, values
+and timestamps, and MLflow's SQL store drops a metric whose (key, step, timestamp, value) it already holds,
+so a record delivered twice is stored once. ``tracking-state.json`` (replaced atomically) holds the run id
+and how many journal records have been delivered.
+
+Tracking URI: ``tracking.uri`` or, when null, ``sqlite:///<run.output_dir>/mlflow.db`` — one store per
+output folder, so both arms of a study (and every seed) land side by side and `prism compare` reads them
+together. Use ``http://host:port`` (ops/mlflow_server.sh) when several jobs log at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline import schedule
+from pipeline.config import Config, flatten
+
+JOURNAL = "tracking.jsonl"
+STATE = "tracking-state.json"
+PARAMS_PER_BATCH = 100  # MLflow takes <= 100 params (and <= 1000 entries) per log_batch
+METRICS_PER_BATCH = 500
+RETRY_AFTER_S = 60.0  # while offline, try the server again at most this often (keeps steps fast)
+
+log = logging.getLogger("prism.tracking")
+
+
+def default_uri(cfg: Config) -> str:
+    return cfg.tracking.uri or f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
+
+
+def milestone_key(threshold: float, what: str) -> str:
+    """``milestone/val_4.0_tokens``: the threshold as Python prints the float (4.0, 3.85)."""
+    return f"milestone/val_{float(threshold)!r}_{what}"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)  # fmt: skip
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def schedule_table(cfg: Config) -> str:
+    """Per-layer Markdown table (layer, heads, head dim, stage) logged as an artifact."""
+    heads = cfg.heads_per_layer
+    stage_of = {i: n for n, (_, a, b) in enumerate(schedule.stages(heads), 1) for i in range(a, b)}
+    rows = ["| layer | heads | head dim | stage |", "|---|---|---|---|"]
+    rows += [f"| {i + 1} | {h} | {cfg.model.d_model // h} | {stage_of[i]} |" for i, h in enumerate(heads)]
+    return (
+        f"Schedule `{schedule.compact(heads)}` ({cfg.run.arm}, d_model {cfg.model.d_model})\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
+def run_tags(cfg: Config) -> dict[str, str]:
+    tags = {
+        "kind": "train",
+        "arm": cfg.run.arm,
+        "scale": cfg.run.scale,
+        "schedule": schedule.compact(cfg.heads_per_layer),
+        "seed": str(cfg.run.seed),
+        "git_commit": git_commit(),
+        "config_hash": cfg.hash(),
+        "hostname": socket.gethostname(),
+        "mlflow.note.content": f"{cfg.run.arm} arm, schedule {schedule.compact(cfg.heads_per_layer)}, "
+        f"seed {cfg.run.seed}, config {cfg.source}",
+    }
+    if os.environ.get("SLURM_JOB_ID"):
+        tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+        if os.environ.get("SLURM_ARRAY_JOB_ID"):
+            tags["slurm_array"] = (
+                f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+            )
+    return tags
+
+
+class Journal:
+    """The append-only record of everything sent to MLflow, plus what has been delivered."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / JOURNAL
+        self.state_path = self.folder / STATE
+        self._records: list[dict[str, Any]] | None = None  # this process's view; only it appends
+
+    def state(self) -> dict[str, Any]:
+        if self.state_path.is_file():
+            return json.loads(self.state_path.read_text())
+        return {"run_id": None, "delivered": 0}
+
+    def save_state(self, **changes: Any) -> None:
+        state = {**self.state(), **changes}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.state_path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        records = self.records()
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        records.append(record)
+
+    def records(self) -> list[dict[str, Any]]:
+        if self._records is None:
+            self._records = self._read()
+        return self._records
+
+    def _read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        text = self.path.read_text()
+        if text and not text.endswith("\n"):  # a write cut short by a kill: end that line before appending
+            with self.path.open("a") as f:
+                f.write("\n")
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # the cut-short line itself: skipped, the rest is whole
+                continue
+        return out
+
+    def pending(self) -> list[dict[str, Any]]:
+        return self.records()[self.state()["delivered"] :]
+
+
+class Delivery:
+    """Sends journal records to one MLflow store; shared by the tracker and `prism tracking sync`."""
+
+    def __init__(self, uri: str, experiment: str, journal: Journal):
+        from mlflow.tracking import MlflowClient
+
+        self.uri, self.experiment, self.journal = uri, experiment, journal
+        self.client = MlflowClient(tracking_uri=uri)
+
+    def experiment_id(self) -> str:
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:///"):  # artifacts beside the database, not in ./mlruns of the cwd
+            location = (Path(self.uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
+        try:
+            return self.client.create_experiment(self.experiment, artifact_location=location)
+        except Exception:  # another job created it between our two calls
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def ensure_run(self, run_name: str, tags: dict[str, str]) -> str:
+        run_id = self.journal.state()["run_id"]
+        if run_id is None:
+            run = self.client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
+            run_id = run.info.run_id
+            self.journal.save_state(run_id=run_id)
+        return run_id
+
+    def flush(self) -> int:
+        """Deliver every pending record in order; raises on the first failure (state keeps the rest)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        records = self.journal.records()
+        done = self.journal.state()["delivered"]
+        sent = 0
+        while done < len(records):
+            rec = records[done]
+            op = rec["op"]
+            if op == "start":
+                run_id = self.ensure_run(rec["run_name"], rec["tags"])
+                run = self.client.get_run(run_id)
+                if run.info.status != "RUNNING":
+                    self.client.update_run(run_id, status="RUNNING")
+                have = run.data.params
+                params = [Param(k, v) for k, v in rec["params"].items() if k not in have]
+                changed = sorted(k for k, v in rec["params"].items() if k in have and have[k] != v)
+                for i in range(0, len(params), PARAMS_PER_BATCH):
+                    self.client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH])
+                tags = dict(rec["tags"])
+                if changed:  # params are immutable in MLflow; say what a resume changed instead
+                    tags["params_changed_on_resume"] = ",".join(changed)
+                self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+                n = 1
+            else:
+                run_id = self.journal.state()["run_id"]
+                if run_id is None:
+                    raise RuntimeError("journal has records before its start record")
+                if op == "metrics":
+                    # Consecutive metric records go out together (<= METRICS_PER_BATCH entries).
+                    batch: list[Metric] = []
+                    n = 0
+                    while done + n < len(records) and records[done + n]["op"] == "metrics":
+                        r = records[done + n]
+                        entries = [Metric(k, float(v), r["time"], r["step"]) for k, v in r["metrics"].items()]
+                        if batch and len(batch) + len(entries) > METRICS_PER_BATCH:
+                            break
+                        batch += entries
+                        n += 1
+                    self.client.log_batch(run_id, metrics=batch)
+                elif op == "tags":
+                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in rec["tags"].items()])
+                    n = 1
+                elif op == "artifact":
+                    self.client.log_artifact(
+                        run_id, str(self.journal.folder / rec["file"]), rec["dir"] or None
+                    )
+                    n = 1
+                elif op == "finish":
+                    self.client.set_terminated(run_id, status=rec["status"], end_time=rec["time"])
+                    n = 1
+                else:
+                    raise RuntimeError(f"unknown journal op {op!r} in {self.journal.path}")
+            done += n
+            sent += n
+            self.journal.save_state(delivered=done)
+        return sent
+
+
+class MlflowTracker:
+    """The Tracker of pipeline/tracking.py on MLflow, for global rank 0."""
+
+    def __init__(self, cfg: Config, journal_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.uri = default_uri(cfg)
+        self.journal = Journal(journal_dir or cfg.checkpoint_dir)
+        self.run_id: str | None = None
+        self.online = True
+        self.next_try = 0.0
+        self.retry_after_s = RETRY_AFTER_S
+        self.monitor: Any = None
+        self.milestones = sorted({float(x) for x in cfg.tracking.milestones}, reverse=True)
+        self.reached: dict[float, dict[str, int]] = {}
+        self.tokens_seen = 0
+        if self.uri.startswith(("http://", "https://")):
+            # A dead server must cost seconds, not MLflow's default minutes of retries, per attempt.
+            # A refused connection fails at once; a busy server (one worker, many jobs) gets 15 s.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        self.delivery = Delivery(self.uri, cfg.experiment, self.journal)
+
+    # --- the interface ---------------------------------------------------------------------------
+    def start(self, cfg: Config, run_id: str | None = None) -> str | None:
+        self.cfg = cfg
+        state = self.journal.state()
+        if run_id is not None and state["run_id"] not in (None, run_id):
+            # The checkpoint is the source of truth (e.g. a journal copied from another run).
+            log.warning("tracking: checkpoint run id %s differs from journal's %s; using the checkpoint's",
+                        run_id, state["run_id"])  # fmt: skip
+        if run_id is not None:
+            self.journal.save_state(run_id=run_id, uri=self.uri, experiment=cfg.experiment)
+        else:
+            self.journal.save_state(uri=self.uri, experiment=cfg.experiment)
+        self._restore_milestones()
+        params = {k: _param_value(v) for k, v in flatten(cfg.to_dict()).items()}
+        self.journal.append({"op": "start", "time": _now_ms(), "run_name": cfg.run_name,
+                             "tags": run_tags(cfg), "params": params})  # fmt: skip
+        self._deliver(force=True)
+        self.run_id = self.journal.state()["run_id"]  # None while the store is unreachable
+        # Re-logged on resume too: the artifact then shows the config the run finished with.
+        self.log_artifact_text(cfg.dump(), "config.yaml")
+        self.log_artifact_text(schedule_table(cfg), "schedule.md")
+        self._start_system_metrics(resume=run_id is not None)
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        if "tokens_seen" in metrics:
+            self.tokens_seen = int(metrics["tokens_seen"])
+        if "val/loss" in metrics:
+            metrics.update(self._new_milestones(metrics["val/loss"], step))
+        self.journal.append({"op": "metrics", "time": _now_ms(), "step": int(step), "metrics": metrics})
+        self._deliver()
+        if self.online and self.run_id is not None:
+            self._keep_system_metrics()
+
+    def log_artifact_text(self, text: str, name: str) -> None:
+        # The text is kept beside the journal so a replay can still upload it.
+        rel = Path("tracking-artifacts") / f"{len(self.journal.records()):06d}" / Path(name).name
+        dest = self.journal.folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, dest)
+        folder = str(Path(name).parent) if Path(name).parent != Path(".") else ""
+        self.journal.append({"op": "artifact", "time": _now_ms(), "file": str(rel), "dir": folder})
+        self._deliver()
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.milestones:
+            missed = [x for x in self.milestones if x not in self.reached]
+            tags = {f"milestone.val_{x!r}": "not reached" for x in missed}
+            tags["milestones_not_reached"] = ",".join(repr(x) for x in missed) or "none"
+            self.journal.append({"op": "tags", "time": _now_ms(), "tags": tags})
+        if self.monitor is not None:
+            self.monitor.finish()
+            self.monitor = None
+        self.journal.append({"op": "finish", "time": _now_ms(), "status": status})
+        self._deliver(force=True)
+        if self.journal.pending():
+            log.warning("tracking: %d records not delivered to %s; run `prism tracking sync %s` later",
+                        len(self.journal.pending()), self.uri, self.journal.folder)  # fmt: skip
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _deliver(self, force: bool = False) -> None:
+        if not self.online and not force and time.monotonic() < self.next_try:
+            return
+        try:
+            self.delivery.flush()
+        except Exception as e:  # noqa: BLE001 - any failure to deliver: keep training, keep the journal
+            if self.online:
+                log.warning("tracking: MLflow at %s unavailable (%s); buffering in %s",
+                            self.uri, str(e).splitlines()[0][:200], self.journal.path)  # fmt: skip
+            self.online = False
+            self.next_try = time.monotonic() + self.retry_after_s
+            return
+        if not self.online:
+            log.warning("tracking: MLflow at %s is back; replayed the buffered records", self.uri)
+            self.online = True
+            if self.run_id is None:  # the run was created only now
+                self.run_id = self.journal.state()["run_id"]
+
+    def _keep_system_metrics(self) -> None:
+        """MLflow's monitor thread quits on its first failed request (busy or down server): restart it."""
+        thread = getattr(self.monitor, "_process", None)
+        if self.monitor is None or thread is None or not thread.is_alive():
+            self._start_system_metrics(resume=True)
+
+    def _start_system_metrics(self, resume: bool) -> None:
+        if not self.cfg.tracking.system_metrics or self.run_id is None:
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.uri)
+            self.monitor.start()
+        except Exception as e:  # noqa: BLE001 - system metrics are a nicety; never stop training for them
+            log.warning("tracking: system metrics off (%s)", e)
+            self.monitor = None
+
+    def _new_milestones(self, val_loss: float, step: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        tags: dict[str, str] = {}
+        for x in self.milestones:
+            if x in self.reached or not val_loss <= x:
+                continue
+            self.reached[x] = {"step": step, "tokens": self.tokens_seen}
+            out[milestone_key(x, "tokens")] = float(self.tokens_seen)
+            out[milestone_key(x, "step")] = float(step)
+            tags[f"milestone.val_{x!r}"] = f"reached at step {step}, {self.tokens_seen} tokens"
+        if tags:
+            self.journal.append({"op": "tags", "time": _now_ms(), "tags": tags})
+        return out
+
+    def _restore_milestones(self) -> None:
+        """After a resume, milestones already logged by this run stay reached (they were first)."""
+        for rec in self.journal.records():
+            if rec["op"] != "metrics":
+                continue
+            m = rec["metrics"]
+            for x in self.milestones:
+                if x not in self.reached and milestone_key(x, "step") in m:
+                    self.reached[x] = {"step": int(m[milestone_key(x, "step")]),
+                                       "tokens": int(m[milestone_key(x, "tokens")])}  # fmt: skip
+
+
+def _param_value(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, list | dict) else str(v)
+    return text[:6000]  # MLflow's param value limit
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def sync(folder: str | Path, uri: str | None = None) -> tuple[int, str, str]:
+    """Replay what a run's journal has not delivered yet. Returns (records sent, uri, run id)."""
+    from pipeline.config import ConfigError
+
+    journal = Journal(folder)
+    if not journal.path.is_file():
+        raise ConfigError(
+            f"{folder}: no {JOURNAL} here; pass the run's checkpoint folder (or its run folder)"
+        )
+    state = journal.state()
+    uri = uri or state.get("uri")
+    if not uri or not state.get("experiment"):
+        raise ConfigError(f"{journal.state_path}: no tracking uri recorded; pass --tracking-uri URI")
+    if uri.startswith(("http://", "https://")):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    sent = Delivery(uri, state["experiment"], journal).flush()
+    return sent, uri, journal.state()["run_id"]

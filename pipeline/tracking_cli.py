@@ -1,0 +1,46 @@
+"""`prism tracking sync RUN_DIR`: deliver what a run buffered while MLflow was unreachable."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tracking", help="MLflow tracking chores (replay a run's offline buffer)")
+    actions = p.add_subparsers(dest="tracking_action", required=True, metavar="ACTION")
+    s = actions.add_parser("sync", help="replay the records of RUN_DIR's tracking.jsonl not yet in MLflow")
+    s.add_argument("run_dir", help="the run folder (<output_dir>/<run name>) or its checkpoint folder")
+    s.add_argument("--tracking-uri", help="send to this store instead of the one the run used")
+    s.set_defaults(func=_sync)
+
+
+def journal_folder(run_dir: str | Path) -> Path:
+    from pipeline.mlflow_tracking import JOURNAL
+
+    run_dir = Path(run_dir)
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if (folder / JOURNAL).is_file():
+            return folder
+    return run_dir
+
+
+def _sync(args: argparse.Namespace) -> int:
+    from pipeline.mlflow_tracking import Journal, sync
+
+    folder = journal_folder(args.run_dir)
+    before = len(Journal(folder).pending()) if (folder / "tracking.jsonl").is_file() else 0
+    try:
+        sent, uri, run_id = sync(folder, args.tracking_uri)
+    except Exception as e:
+        from pipeline.config import ConfigError
+
+        if isinstance(e, ConfigError):
+            raise
+        left = len(Journal(folder).pending())
+        raise ConfigError(
+            f"{folder}: MLflow did not take the records ({str(e).splitlines()[0][:160]}); {left} still pending; "
+            "start the server (ops/mlflow_server.sh start) or pass --tracking-uri, then run sync again"
+        ) from None
+    print(f"prism tracking sync: {sent} of {before} pending records sent to {uri} (run {run_id})")
+    return 0

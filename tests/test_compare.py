@@ -1,0 +1,97 @@
+"""`prism compare` on real tiny runs (2 arms x 2 seeds): numbers against ones computed from the histories."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.cli import main
+from pipeline.compare import latest_per_step
+
+
+def expected_numbers(client, experiment):
+    """What the table must say, computed here straight from MLflow's metric histories."""
+    exp = client.get_experiment_by_name(experiment)
+    by_arm = {"uniform": [], "prism": []}
+    for run in client.search_runs([exp.experiment_id], filter_string="tags.kind = 'train'"):
+        rid = run.info.run_id
+        val = latest_per_step(client.get_metric_history(rid, "val/loss"))
+        tps = latest_per_step(client.get_metric_history(rid, "tokens_per_sec"))
+        tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
+        by_arm[run.data.tags["arm"]].append({"final": val[max(val)], "tps": statistics.mean(tps.values()),
+                                             "val": val, "tokens": tokens})  # fmt: skip
+    return by_arm
+
+
+def first_reach(run, x):
+    step = next((s for s, v in run["val"].items() if v <= x), None)
+    return None if step is None else (run["tokens"][step], step)
+
+
+def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, capsys):
+    from tests.conftest import TRACKED_MILESTONES
+
+    out = tmp_path / "report"
+    args = [
+        "compare",
+        "--experiment",
+        tracked_runs.experiment,
+        "--tracking-uri",
+        tracked_runs.uri,
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| tiny | uniform | 2 |" in printed and "| tiny | prism | 2 |" in printed
+
+    client = MlflowClient(tracked_runs.uri)
+    want = expected_numbers(client, tracked_runs.experiment)
+    rows = {r["arm"]: r for r in csv.DictReader((out / "comparison.csv").open())}
+    for arm, runs in want.items():
+        row = rows[arm]
+        finals = [r["final"] for r in runs]
+        assert int(row["runs"]) == 2
+        assert float(row["final_val_loss_mean"]) == pytest.approx(statistics.mean(finals))
+        assert float(row["final_val_loss_std"]) == pytest.approx(statistics.stdev(finals))
+        assert float(row["tokens_per_sec_mean"]) == pytest.approx(statistics.mean(r["tps"] for r in runs))
+        for x in TRACKED_MILESTONES:
+            hits = [h for h in (first_reach(r, x) for r in runs) if h]
+            assert int(row[f"val_{x!r}_not_reached"]) == 2 - len(hits)
+            if hits:
+                assert float(row[f"val_{x!r}_tokens_mean"]) == pytest.approx(
+                    statistics.mean(h[0] for h in hits)
+                )
+                assert float(row[f"val_{x!r}_steps_mean"]) == pytest.approx(
+                    statistics.mean(h[1] for h in hits)
+                )
+            else:
+                assert row[f"val_{x!r}_tokens_mean"] == ""
+    delta = statistics.mean(r["final"] for r in want["prism"]) - statistics.mean(
+        r["final"] for r in want["uniform"]
+    )
+    assert float(rows["prism"]["delta_vs_uniform"]) == pytest.approx(delta)
+    assert f"{delta:+.4f}" in printed
+    ratio = statistics.mean(r["tps"] for r in want["prism"]) / statistics.mean(
+        r["tps"] for r in want["uniform"]
+    )
+    assert float(rows["prism"]["tokens_per_sec_ratio"]) == pytest.approx(ratio)
+
+    pngs = ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Logged as artifacts of one kind=comparison run, reused (not duplicated) by a second compare.
+    assert main(args) == 0
+    exp = client.get_experiment_by_name(tracked_runs.experiment)
+    (comparison,) = client.search_runs([exp.experiment_id], filter_string="tags.kind = 'comparison'")
+    logged = {a.path for a in client.list_artifacts(comparison.info.run_id, "comparison")}
+    assert {f"comparison/{n}" for n in ["comparison.md", "comparison.csv", *pngs]} <= logged
+
+
+def test_compare_unknown_experiment_is_a_one_line_error(tracked_runs, capsys):
+    assert main(["compare", "--experiment", "no-such-study", "--tracking-uri", tracked_runs.uri]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("prism compare: error:") and tracked_runs.experiment in err and "\n" not in err
