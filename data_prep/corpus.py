@@ -8,6 +8,7 @@ visited in sorted order, so the same installation always yields the same bytes. 
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import shutil
 import sys
@@ -94,6 +95,9 @@ def build_embedded_corpus(out_dir: str | Path, max_bytes: int = 8_000_000, num_f
         total += len(text.encode("utf-8"))
         if total >= max_bytes:
             break
+    # Interleave sources (a stable hash of the name, not the sorted walk): otherwise each file, shard and
+    # training batch holds one package's docstrings and the model sees a different dialect every step.
+    docs.sort(key=lambda doc: hashlib.sha256(doc[0].encode()).digest())
     if len(docs) < num_files:
         raise ValueError(f"only {len(docs)} documents of embedded text found; cannot build {num_files} files")
 

@@ -147,8 +147,7 @@ class Shard:
 class Position:
     epoch: int = 0
     shard_cursor: int = 0  # index into this rank's shard list of the epoch
-    sample_cursor: int = 0  # index into the shard's shuffled sample order
-    seq_cursor: int = 0  # row inside the current sample
+    row_cursor: int = 0  # index into the shard's shuffled row (sequence) order
 
 
 class ShardLoader:
@@ -200,8 +199,11 @@ class ShardLoader:
         mine = order[self.dp_rank :: self.dp_size][: self.shards_per_rank]
         return [int(i) for i in mine]
 
-    def sample_order(self, epoch: int, shard: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.samples_per_shard)
+    def row_order(self, epoch: int, shard: int) -> np.ndarray:
+        """Rows (sequences) of a shard in a seeded order: a batch mixes the whole shard, not one sample's
+        consecutive sequences of the same few documents."""
+        rows = self.samples_per_shard * int(self.manifest["sequences_per_sample"])
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(rows)
 
     # position
     def state_dict(self) -> dict[str, Any]:
@@ -219,27 +221,24 @@ class ShardLoader:
     # reading
     def _produce(self, start: Position) -> None:
         p = Position(**asdict(start))
-        rows: list[np.ndarray] = []
+        pending: list[np.ndarray] = []  # a batch may span two shards
         have = 0
         try:
             while not self._stop.is_set():
-                shard_ids = self.epoch_shards(p.epoch)
-                shard_id = shard_ids[p.shard_cursor]
+                shard_id = self.epoch_shards(p.epoch)[p.shard_cursor]
                 shard = Shard(self.dataset_dir, self.shards[shard_id], self.manifest, self.samples_per_shard)
-                order = self.sample_order(p.epoch, shard_id)
-                while p.sample_cursor < len(order):
-                    sample = shard.samples[order[p.sample_cursor]]
-                    take = min(self.batch_size - have, len(sample) - p.seq_cursor)
-                    rows.append(sample[p.seq_cursor : p.seq_cursor + take])
+                table = np.concatenate(shard.samples)  # [rows, seq_len+1]
+                order = self.row_order(p.epoch, shard_id)
+                while p.row_cursor < len(order):
+                    take = min(self.batch_size - have, len(order) - p.row_cursor)
+                    pending.append(table[order[p.row_cursor : p.row_cursor + take]])
                     have += take
-                    p.seq_cursor += take
-                    if p.seq_cursor == len(sample):
-                        p.sample_cursor, p.seq_cursor = p.sample_cursor + 1, 0
+                    p.row_cursor += take
                     if have == self.batch_size:
-                        batch = np.concatenate(rows).astype(np.int64)
-                        rows, have = [], 0
+                        batch = np.concatenate(pending).astype(np.int64)
+                        pending, have = [], 0
                         after = Position(**asdict(p))
-                        if after.sample_cursor == len(order):  # at a shard's end, point at the next one
+                        if after.row_cursor == len(order):  # at a shard's end, point at the next one
                             after = self._next_shard(after)
                         if not self._put((batch, after)):
                             return
@@ -248,9 +247,9 @@ class ShardLoader:
             self._put((e, None))
 
     def _next_shard(self, p: Position) -> Position:
-        p = Position(p.epoch, p.shard_cursor + 1, 0, 0)
+        p = Position(p.epoch, p.shard_cursor + 1, 0)
         if p.shard_cursor == self.shards_per_rank:
-            p = Position(p.epoch + 1, 0, 0, 0)
+            p = Position(p.epoch + 1, 0, 0)
         return p
 
     def _put(self, item: Any) -> bool:

@@ -46,9 +46,9 @@ def test_dp_ranks_get_disjoint_equal_shards_every_epoch(tiny_data):
     loader = data.ShardLoader(cfg, dp_rank=0, dp_size=1, batch_size=4)
     assert sorted(loader.epoch_shards(0)) == list(range(n))
     # the per-epoch shuffle changes the sample order, and the seed changes it too
-    assert not np.array_equal(loader.sample_order(0, 0), loader.sample_order(1, 0))
+    assert not np.array_equal(loader.row_order(0, 0), loader.row_order(1, 0))
     other_seed = data.ShardLoader(load_cfg(tiny_data, "run.seed=7"), dp_rank=0, dp_size=1, batch_size=4)
-    assert not np.array_equal(loader.sample_order(0, 0), other_seed.sample_order(0, 0))
+    assert not np.array_equal(loader.row_order(0, 0), other_seed.row_order(0, 0))
 
 
 def test_tp_peers_identical_dp_ranks_different(tiny_data, monkeypatch):
@@ -80,6 +80,13 @@ def test_one_epoch_yields_every_row_once(tiny_data):
     loader.close()
     assert sorted(seen) == sorted(rows)
     assert seen != rows  # shuffled, not manifest order
+    # a batch mixes the shard: its rows are not consecutive sequences of one packed sample
+    index = {r: i for i, r in enumerate(rows)}
+    per_sample = tiny_data.manifest["sequences_per_sample"]
+    samples_per_batch = [
+        len({index[r] // per_sample for r in seen[i : i + batch]}) for i in range(0, len(seen), batch)
+    ]
+    assert sum(samples_per_batch) / len(samples_per_batch) > 0.9 * batch
 
 
 def test_position_restores_exactly_across_shard_and_epoch_boundaries(tiny_data):
