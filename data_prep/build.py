@@ -29,7 +29,8 @@ from data_prep.manifest import (
     read_json,
     write_manifest,
 )
-from data_prep.steps import TokenizeToShards, WriteManifest, write_atomic
+from data_prep.steps import TokenizeToShards, WriteManifest
+from pipeline.atomic import write_atomic
 from pipeline.config import Config
 
 EMBEDDED_CORPUS_BYTES = 8_000_000  # ~2M tokens: enough for the tiny presets, built in ~20 s

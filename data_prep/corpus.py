@@ -16,6 +16,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.atomic import write_atomic
+
 # FineWeb's columns and types (sample/10BT), in its order.
 FINEWEB_SCHEMA = (
     ("text", "string"),
@@ -161,8 +163,5 @@ def train_bpe_tokenizer(
     )
     tok.train_from_iterator(texts(), trainer=trainer)
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(tok.to_str())
-    os.replace(tmp, out_path)
+    write_atomic(out_path, tok.to_str())
     return out_path

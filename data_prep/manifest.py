@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.steps import SPLITS, write_atomic
+from data_prep.steps import SPLITS
+from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 
 FORMAT_VERSION = 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import tarfile
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
+
+from pipeline.atomic import write_atomic
 
 SPLITS = ("train", "val")
 TAR_MTIME = 0  # fixed tar metadata: shards are byte-reproducible
@@ -34,16 +35,6 @@ def is_val(doc_id: str, val_fraction: float) -> bool:
 
 def shard_name(split: str, rank: int, index: int) -> str:
     return f"{split}/shard-{rank:05d}-{index:06d}.tar"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, fsync, then rename: a half-written file never looks valid."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:

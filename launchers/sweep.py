@@ -27,6 +27,7 @@ from typing import Any
 import submitit
 
 from pipeline import config, schedule
+from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,9 +249,7 @@ def submit(arms: list[str], scales: list[str], seeds: list[int], schedules: Any 
         ],
     }  # fmt: skip
     manifest_path = folder / "sweep.json"
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(manifest_path)
+    write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
 
 

@@ -11,7 +11,6 @@ gathered to every rank first and stored as one list indexed by global rank.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from pipeline.atomic import write_atomic
 from pipeline.config import Config, ConfigError, changed_keys
 
 LATEST = "latest"
@@ -28,12 +28,6 @@ CONFIG_NAME = "config.yaml"
 
 def tag_for(step: int) -> str:
     return f"step-{step:07d}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def latest_tag(checkpoint_dir: Path) -> str | None:

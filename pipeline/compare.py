@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 
 ARMS = ("uniform", "prism")
@@ -265,9 +266,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomic(path, text)
     return path
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import schedule
+from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten
 
 JOURNAL = "tracking.jsonl"
@@ -105,10 +106,7 @@ class Journal:
 
     def save_state(self, **changes: Any) -> None:
         state = {**self.state(), **changes}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self.state_path)
+        write_atomic(self.state_path, json.dumps(state, indent=1))
 
     def append(self, record: dict[str, Any]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -295,10 +293,7 @@ class MlflowTracker:
         # The text is kept beside the journal so a replay can still upload it.
         rel = Path("tracking-artifacts") / f"{len(self.journal.records()):06d}" / Path(name).name
         dest = self.journal.folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, dest)
+        write_atomic(dest, text)
         folder = str(Path(name).parent) if Path(name).parent != Path(".") else ""
         self.journal.append({"op": "artifact", "time": _now_ms(), "file": str(rel), "dir": folder})
         self._deliver()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import checkpoint, data
+from pipeline.atomic import write_atomic
 from pipeline.config import Config, ConfigError
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
@@ -182,7 +183,7 @@ def dump_nonfinite(cfg: Config, step: int, info: dict[str, Any], batches: list[n
     path = cfg.checkpoint_dir / f"nonfinite-step-{step:07d}-rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path.with_suffix(".npz"), *batches)
-    checkpoint.write_atomic(path, json.dumps(info, indent=1, default=str))
+    write_atomic(path, json.dumps(info, indent=1, default=str))
     return path
 
 

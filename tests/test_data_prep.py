@@ -181,7 +181,7 @@ def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
     clean = prepare(load(tiny_data, *common, f"data.dataset_dir={tmp_path / 'clean'}"), quiet=True)
     assert resumed.read_bytes() == clean.read_bytes()
     assert verify(killed_dir) == []
-    assert not [p for p in killed_dir.rglob("*") if ".tmp-" in p.name]
+    assert not [p for p in killed_dir.rglob("*") if p.name.endswith(".tmp")]  # pipeline.atomic temp names
 
 
 # --- refusals -------------------------------------------------------------------------------------------

@@ -5,21 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import write_atomic
+
 COLUMNS = ("layer", "D", "std", "heads", "head_dim", "sequences")
 DELTA_COLUMNS = ("layer", "delta", "delta_se", "D_prism", "D_uniform", "heads_prism", "heads_uniform")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def write_table(
@@ -31,15 +23,15 @@ def write_table(
     writer.writeheader()
     writer.writerows({k: r[k] for k in columns} for r in rows)
     csv_path, json_path = stem.with_suffix(".csv"), stem.with_suffix(".json")
-    _atomic_write(csv_path, buf.getvalue().encode())
-    _atomic_write(json_path, (json.dumps({**meta, "layers": rows}, indent=2) + "\n").encode())
+    write_atomic(csv_path, buf.getvalue().encode())
+    write_atomic(json_path, (json.dumps({**meta, "layers": rows}, indent=2) + "\n").encode())
     return [csv_path, json_path]
 
 
 def _save(fig: Any, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    _atomic_write(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
     return path
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -94,12 +93,7 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
     """Atomic: a reader sees the old file or the whole new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def log_to_mlflow(cfg: Any, run_id: str | None, metrics: dict[str, float], step: int | None,
