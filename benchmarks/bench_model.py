@@ -50,9 +50,16 @@ def bench(preset: str, batch: int, steps: int, seq_len: int | None) -> dict:
             model.zero_grad(set_to_none=True)
     tok = batch * prism.model.seq_len
     rate = {name: tok / statistics.median(t) for name, t in times.items()}
-    return {"preset": preset, "device": str(device), "precision": prism.train.precision, "batch": batch,
-            "seq_len": prism.model.seq_len, "steps": steps, **{f"{n}_tok_s": r for n, r in rate.items()},
-            "ratio": rate["prism"] / rate["uniform"]}  # fmt: skip
+    return {
+        "preset": preset,
+        "device": str(device),
+        "precision": prism.train.precision,
+        "batch": batch,
+        "seq_len": prism.model.seq_len,
+        "steps": steps,
+        **{f"{n}_tok_s": r for n, r in rate.items()},
+        "ratio": rate["prism"] / rate["uniform"],
+    }
 
 
 def main() -> None:
@@ -67,9 +74,12 @@ def main() -> None:
         batch = args.batch or (8 if small else 1)
         steps = args.steps or (10 if small else 3)
         r = bench(preset, batch, steps, args.seq_len)
-        print(f"{r['preset']:>5} on {r['device']} ({r['precision']}, batch {r['batch']} x {r['seq_len']}, "
-              f"{r['steps']} steps/arm): prism {r['prism_tok_s']:,.0f} tok/s, uniform {r['uniform_tok_s']:,.0f} "
-              f"tok/s, ratio prism/uniform = {r['ratio']:.3f}", flush=True)  # fmt: skip
+        print(
+            f"{r['preset']:>5} on {r['device']} ({r['precision']}, batch {r['batch']} x {r['seq_len']}, "
+            f"{r['steps']} steps/arm): prism {r['prism_tok_s']:,.0f} tok/s, uniform {r['uniform_tok_s']:,.0f} "
+            f"tok/s, ratio prism/uniform = {r['ratio']:.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,11 +39,7 @@ def raw_tokens_per_sec(tokenizer_path: str, files: list[Path], tasks: int, text_
     import pyarrow.parquet as pq
 
     shares = [
-        [
-            t
-            for f in files[r::tasks]
-            for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()
-        ]
+        [t for f in files[r::tasks] for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
         for r in range(tasks)
     ]
     with mp.get_context("fork").Pool(tasks) as pool:
@@ -52,17 +48,20 @@ def raw_tokens_per_sec(tokenizer_path: str, files: list[Path], tasks: int, text_
         return tokens / (time.perf_counter() - start)
 
 
-def pipeline_tokens_per_sec(
-    cfg_path: str, overrides: list[str], tasks: int, out: Path
-) -> tuple[float, float, int]:
+def pipeline_tokens_per_sec(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> tuple[float, float, int]:
     """One prepare() in a fresh interpreter: a process that already used tokenizers' thread pool makes its
     forked children single-threaded, which would skew whichever side runs later."""
     import json
     import subprocess
 
     args = [*overrides, f"data.dataset_dir={out}", f"data.tasks={tasks}", f"data.workers={tasks}"]
-    done = subprocess.run([sys.executable, __file__, "--pipeline-once", cfg_path, *args], cwd=ROOT,
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, __file__, "--pipeline-once", cfg_path, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     secs = float(done.stdout.strip().splitlines()[-1])
     tokens = json.loads((out / "manifest.json").read_text())["totals"]["tokens_encoded"]
     # slowest task's step time: tasks run in parallel, so the wall clock follows the slowest
@@ -102,8 +101,10 @@ def main(argv: list[str]) -> None:
     cfg = config.load(cfg_path, overrides)
     tokenizer_path = prepare_inputs(cfg)  # builds the embedded corpus / tokenizer if missing
     files = sorted(Path(cfg.data.input).glob("**/*.parquet"))
-    print(f"corpus: {len(files)} parquet files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; "
-          f"tokenizer {tokenizer_path}; {mp.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"corpus: {len(files)} parquet files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; "
+        f"tokenizer {tokenizer_path}; {mp.cpu_count()} CPUs"
+    )
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench_tokenize-"))
     try:
@@ -115,9 +116,11 @@ def main(argv: list[str]) -> None:
                 p, s, tokens = pipeline_tokens_per_sec(cfg_path, overrides, tasks, tmp / f"ds{tasks}-{rep}")
                 pipe, steady = max(pipe, p), max(steady, s)
             results[tasks] = pipe
-            print(f"tasks={tasks}: raw encode_batch {raw:,.0f} tokens/s; pipeline end-to-end {pipe:,.0f} tokens/s, "
-                  f"ratio {pipe / raw:.2f}; pipeline in tasks {steady:,.0f} tokens/s, ratio {steady / raw:.2f} "
-                  f"(target >= 0.90; {tokens:,} tokens, best of {REPEATS})")  # fmt: skip
+            print(
+                f"tasks={tasks}: raw encode_batch {raw:,.0f} tokens/s; pipeline end-to-end {pipe:,.0f} tokens/s, "
+                f"ratio {pipe / raw:.2f}; pipeline in tasks {steady:,.0f} tokens/s, ratio {steady / raw:.2f} "
+                f"(target >= 0.90; {tokens:,} tokens, best of {REPEATS})"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"scaling 1 -> 2 tasks (end-to-end): {results[2] / results[1]:.2f}x")

@@ -94,9 +94,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = config.load(args.config, args.overrides)
         steps = args.steps + args.warmup
-        ov = [*args.overrides, f"run.output_dir={tmp}", "tracking.enabled=false", "train.log_every=1",
-              f"train.train_tokens={steps * base.train.batch_tokens}", f"train.val_every={10 * steps}",
-              f"checkpoint.every_steps={10 * steps}"]  # fmt: skip
+        ov = [
+            *args.overrides,
+            f"run.output_dir={tmp}",
+            "tracking.enabled=false",
+            "train.log_every=1",
+            f"train.train_tokens={steps * base.train.batch_tokens}",
+            f"train.val_every={10 * steps}",
+            f"checkpoint.every_steps={10 * steps}",
+        ]
         cfg = config.load(args.config, ov)
         trainer = trainer_step_times(cfg)[args.warmup :]
         bare = bare_step_times(cfg, steps)[args.warmup :]

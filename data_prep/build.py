@@ -50,9 +50,7 @@ def check_input(cfg: Config) -> None:
         return  # listed by the reader inside the tasks; no network probe here
     root = Path(d.input.removeprefix("file://"))
     if not root.exists():
-        raise DatasetError(
-            f"data.input={d.input}: path not found; point it at a folder of {d.input_format} files"
-        )
+        raise DatasetError(f"data.input={d.input}: path not found; point it at a folder of {d.input_format} files")
     files = sorted(root.glob(INPUT_GLOBS[d.input_format])) if root.is_dir() else [root]
     if not files:
         raise DatasetError(
@@ -89,9 +87,7 @@ def resolve_tokenizer(cfg: Config) -> str:
     if Path(name).is_file():
         return name
     if name.endswith(".json") or os.sep in name and not _looks_like_hub_repo(name):
-        raise DatasetError(
-            f"data.tokenizer={name}: tokenizer file not found; pass the path of a tokenizer.json"
-        )
+        raise DatasetError(f"data.tokenizer={name}: tokenizer file not found; pass the path of a tokenizer.json")
     from huggingface_hub import hf_hub_download
 
     try:
@@ -174,9 +170,7 @@ def check_output(out: Path, ident: dict[str, Any], tasks: int, overwrite: bool) 
         old = read_json(manifest).get("config", {})
         if (diff := first_difference(old, ident)) is None:
             return "done"
-        raise DatasetError(
-            f"{out}: holds a dataset made with another data config, first differing key {diff}; {hint}"
-        )
+        raise DatasetError(f"{out}: holds a dataset made with another data config, first differing key {diff}; {hint}")
     if state.exists():
         old_state = read_json(state)
         if (diff := first_difference(old_state["identity"], ident)) is not None:
@@ -198,8 +192,9 @@ def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> l
 
     d = cfg.data
     reader_cls = JsonlReader if d.input_format == "jsonl" else ParquetReader
-    reader = reader_cls(d.input, limit=d.limit, text_key=d.text_key, id_key=d.id_key,
-                        glob_pattern=INPUT_GLOBS[d.input_format])  # fmt: skip
+    reader = reader_cls(
+        d.input, limit=d.limit, text_key=d.text_key, id_key=d.id_key, glob_pattern=INPUT_GLOBS[d.input_format]
+    )
     writer = TokenizeToShards(
         dataset_dir=str(Path(d.dataset_dir).resolve()),
         tokenizer_name_or_path=str(Path(tokenizer_path).resolve()),
@@ -220,15 +215,14 @@ def build_executor(cfg: Config, pipeline: list, logs_dir: Path):
         from datatrove.executor import LocalPipelineExecutor
 
         # fork, not datatrove's default forkserver: forkserver re-imports __main__ and hangs unguarded scripts.
-        return LocalPipelineExecutor(pipeline, tasks=d.tasks, workers=d.workers, logging_dir=str(logs_dir),
-                                     start_method="fork")  # fmt: skip
+        return LocalPipelineExecutor(
+            pipeline, tasks=d.tasks, workers=d.workers, logging_dir=str(logs_dir), start_method="fork"
+        )
     from datatrove.executor import SlurmPipelineExecutor
 
     s = d.slurm
     if not s.partition:
-        raise DatasetError(
-            "data.executor=slurm needs data.slurm.partition; set it, e.g. data.slurm.partition=cpu"
-        )
+        raise DatasetError("data.executor=slurm needs data.slurm.partition; set it, e.g. data.slurm.partition=cpu")
     import sys
 
     return SlurmPipelineExecutor(
@@ -296,9 +290,7 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
     status = check_output(out, ident, d.tasks, overwrite)
     if status == "done":
         if not quiet:
-            print(
-                f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do"
-            )
+            print(f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do")
         return out / MANIFEST
     (out / ".prep").mkdir(parents=True, exist_ok=True)
     if status == "fresh":
@@ -310,8 +302,10 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
     if d.executor == "slurm":
         build_manifest_executor(cfg, executor, logs_dir).run()  # launches its dependency (the array) first
         if not quiet:
-            print(f"prism prepare: submitted Slurm job {executor.job_id} ({d.tasks} tasks); "
-                  f"{out / MANIFEST} appears when it finishes")  # fmt: skip
+            print(
+                f"prism prepare: submitted Slurm job {executor.job_id} ({d.tasks} tasks); "
+                f"{out / MANIFEST} appears when it finishes"
+            )
         return out / MANIFEST
     executor.run()
     manifest_path = write_manifest(out)

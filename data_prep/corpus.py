@@ -137,9 +137,7 @@ def build_embedded_corpus(out_dir: str | Path, max_bytes: int = 8_000_000, num_f
     return out_dir
 
 
-def train_bpe_tokenizer(
-    corpus_dir: str | Path, out_path: str | Path, vocab_size: int, eos_token: str
-) -> Path:
+def train_bpe_tokenizer(corpus_dir: str | Path, out_path: str | Path, vocab_size: int, eos_token: str) -> Path:
     """Train a byte-level BPE (HF ``tokenizers``) on the corpus' text column; written via temp + rename."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

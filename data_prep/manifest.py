@@ -80,9 +80,13 @@ def write_manifest(dataset_dir: Path) -> Path:
     for split in SPLITS:
         shards = [s for r in records for s in r[split]["shards"]]  # rank order, then shard order
         part = {k: sum(r[split][k] for r in records) for k in totals}
-        splits[split] = {"samples_per_shard": per_shard[split], "shards": shards,
-                         "documents": part["documents"], "tokens_written": part["tokens_written"],
-                         "tokens_dropped": part["tokens_dropped"]}  # fmt: skip
+        splits[split] = {
+            "samples_per_shard": per_shard[split],
+            "shards": shards,
+            "documents": part["documents"],
+            "tokens_written": part["tokens_written"],
+            "tokens_dropped": part["tokens_dropped"],
+        }
         for k in totals:
             totals[k] += part[k]
     totals["shards"] = sum(len(s["shards"]) for s in splits.values())

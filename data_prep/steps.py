@@ -90,7 +90,7 @@ class _SplitPacker:
                 "samples": self.shape[0],
                 "tokens": self.shard_tokens,
                 "sha256": hashlib.sha256(data).hexdigest(),
-            }  # fmt: skip
+            }
         )
 
     @property
@@ -159,7 +159,7 @@ class TokenizeToShards(PipelineStepWithTokenizer):
                 self.sequences_per_sample,
                 self.samples_per_shard[split],
                 self.dtype,
-            )  # fmt: skip
+            )
             for split in SPLITS
         }
 

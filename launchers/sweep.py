@@ -76,21 +76,23 @@ def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str])
         base = config.load(preset_path(arm, scale), overrides)
         m = base.model
         found = [
-            schedule.compact(h)
-            for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
+            schedule.compact(h) for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
         ]
         if not found:
-            raise ConfigError(
-                f"sweep: schedules=all-valid found no valid schedule for {scale} (d_model {m.d_model})"
-            )
+            raise ConfigError(f"sweep: schedules=all-valid found no valid schedule for {scale} (d_model {m.d_model})")
         return found
     if isinstance(schedules, str):
         raise ConfigError(f"sweep: schedules={schedules!r}; use a list of schedules, {ALL_VALID!r} or null")
     return [schedule.compact(schedule.parse(s)) for s in schedules]
 
 
-def build_grid(arms: list[str], scales: list[str], seeds: list[int], schedules: Any = None,
-               overrides: dict[str, Any] | list[str] | None = None) -> list[tuple[GridPoint, config.Config, list[str]]]:  # fmt: skip
+def build_grid(
+    arms: list[str],
+    scales: list[str],
+    seeds: list[int],
+    schedules: Any = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+) -> list[tuple[GridPoint, config.Config, list[str]]]:
     """Every grid point with its validated config and the overrides that reproduce it from the preset."""
     for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
         if not values:
@@ -132,14 +134,29 @@ class TrainJob(submitit.helpers.Checkpointable):
     def command(self) -> list[str]:
         dist = submitit.helpers.TorchDistributedEnvironment()  # one task per node: rank = node rank
         nproc = self.nproc_per_node or _gpus_on_node() or 1
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={dist.world_size}",
-                f"--node-rank={dist.rank}", f"--nproc-per-node={nproc}", f"--master-addr={dist.master_addr}",
-                f"--master-port={dist.master_port}", "-m", "pipeline.cli", "train", self.config_path,
-                *self.overrides]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={dist.world_size}",
+            f"--node-rank={dist.rank}",
+            f"--nproc-per-node={nproc}",
+            f"--master-addr={dist.master_addr}",
+            f"--master-port={dist.master_port}",
+            "-m",
+            "pipeline.cli",
+            "train",
+            self.config_path,
+            *self.overrides,
+        ]
 
     def __call__(self) -> dict[str, Any]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self.grace_s),
-               "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self.grace_s),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        }
         cmd = self.command()
         print("sweep job:", " ".join(cmd), flush=True)
         self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
@@ -185,27 +202,39 @@ class Sweep:
         while not all(j.done() for j in self.jobs):
             if deadline is not None and time.monotonic() > deadline:
                 left = [
-                    f"{p.label} (job {j.job_id}, {j.state})"
-                    for p, j in zip(self.points, self.jobs)
-                    if not j.done()
+                    f"{p.label} (job {j.job_id}, {j.state})" for p, j in zip(self.points, self.jobs) if not j.done()
                 ]
-                raise TimeoutError(
-                    f"sweep {self.folder}: not finished after {timeout_s} s: {', '.join(left)}"
-                )
+                raise TimeoutError(f"sweep {self.folder}: not finished after {timeout_s} s: {', '.join(left)}")
             time.sleep(poll_s)
         return [j.result() for j in self.jobs]
 
 
-def make_executor(folder: Path, executor: str, *, nodes: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1,
-                  timeout_min: int = 240, partition: str | None = None, signal_delay_s: int = 180,
-                  array_parallelism: int = 256, job_name: str = "prism-sweep",
-                  additional_parameters: dict[str, Any] | None = None) -> submitit.Executor:  # fmt: skip
+def make_executor(
+    folder: Path,
+    executor: str,
+    *,
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+    cpus_per_task: int = 1,
+    timeout_min: int = 240,
+    partition: str | None = None,
+    signal_delay_s: int = 180,
+    array_parallelism: int = 256,
+    job_name: str = "prism-sweep",
+    additional_parameters: dict[str, Any] | None = None,
+) -> submitit.Executor:
     if executor not in ("slurm", "local"):
         raise ConfigError(f"sweep: executor={executor!r}; use 'slurm' or 'local'")
     ex = submitit.AutoExecutor(folder=folder / "submitit" / "%j", cluster=executor)
-    params: dict[str, Any] = {"nodes": nodes, "tasks_per_node": 1, "cpus_per_task": cpus_per_task,
-                              "timeout_min": timeout_min, "name": job_name,
-                              "slurm_signal_delay_s": signal_delay_s, "slurm_array_parallelism": array_parallelism}  # fmt: skip
+    params: dict[str, Any] = {
+        "nodes": nodes,
+        "tasks_per_node": 1,
+        "cpus_per_task": cpus_per_task,
+        "timeout_min": timeout_min,
+        "name": job_name,
+        "slurm_signal_delay_s": signal_delay_s,
+        "slurm_array_parallelism": array_parallelism,
+    }
     if gpus_per_node:
         params["gpus_per_node"] = gpus_per_node
     if partition:
@@ -216,10 +245,18 @@ def make_executor(folder: Path, executor: str, *, nodes: int = 1, gpus_per_node:
     return ex
 
 
-def submit(arms: list[str], scales: list[str], seeds: list[int], schedules: Any = None,
-           overrides: dict[str, Any] | list[str] | None = None, executor: str = "slurm",
-           folder: str | Path | None = None, name: str = "sweep", nproc_per_node: int = 0,
-           **executor_params: Any) -> Sweep:  # fmt: skip
+def submit(
+    arms: list[str],
+    scales: list[str],
+    seeds: list[int],
+    schedules: Any = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    executor: str = "slurm",
+    folder: str | Path | None = None,
+    name: str = "sweep",
+    nproc_per_node: int = 0,
+    **executor_params: Any,
+) -> Sweep:
     """Submit one job per grid point as one submitit job array; write the sweep manifest; return at once.
 
     executor_params go to make_executor (nodes, gpus_per_node, cpus_per_task, timeout_min, partition,
@@ -232,22 +269,29 @@ def submit(arms: list[str], scales: list[str], seeds: list[int], schedules: Any 
     jobs = []
     with ex.batch():  # one sbatch --array for the whole grid
         for _, cfg, ov in grid:
-            jobs.append(
-                ex.submit(TrainJob(str(preset_path(cfg.run.arm, cfg.run.scale)), ov, nproc_per_node, grace))
-            )
+            jobs.append(ex.submit(TrainJob(str(preset_path(cfg.run.arm, cfg.run.scale)), ov, nproc_per_node, grace)))
     manifest = {
         "name": name,
         "executor": executor,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "folder": str(folder),
         "jobs": [
-            {"arm": p.arm, "scale": p.scale, "seed": p.seed, "schedule": schedule.compact(cfg.heads_per_layer),
-             "job_id": str(job.job_id), "run_name": cfg.run_name, "experiment": cfg.experiment,
-             "tracking_uri": cfg.tracking.uri, "run_dir": str(cfg.run_dir), "config": str(preset_path(p.arm, p.scale)),
-             "overrides": ov}
+            {
+                "arm": p.arm,
+                "scale": p.scale,
+                "seed": p.seed,
+                "schedule": schedule.compact(cfg.heads_per_layer),
+                "job_id": str(job.job_id),
+                "run_name": cfg.run_name,
+                "experiment": cfg.experiment,
+                "tracking_uri": cfg.tracking.uri,
+                "run_dir": str(cfg.run_dir),
+                "config": str(preset_path(p.arm, p.scale)),
+                "overrides": ov,
+            }
             for (p, cfg, ov), job in zip(grid, jobs)
         ],
-    }  # fmt: skip
+    }
     manifest_path = folder / "sweep.json"
     write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)

@@ -6,11 +6,14 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="submit arms x scales x seeds x schedules as one submitit job array",
-                       description="SPEC.yaml keys: name, arms, scales, seeds, schedules (list | all-valid | null), "
-                       "overrides (mapping or list of dotted overrides), executor (slurm | local), folder, "
-                       "nproc_per_node, slurm (nodes, gpus_per_node, cpus_per_task, timeout_min, partition, "
-                       "signal_delay_s, array_parallelism, additional_parameters).")  # fmt: skip
+    p = sub.add_parser(
+        "sweep",
+        help="submit arms x scales x seeds x schedules as one submitit job array",
+        description="SPEC.yaml keys: name, arms, scales, seeds, schedules (list | all-valid | null), "
+        "overrides (mapping or list of dotted overrides), executor (slurm | local), folder, "
+        "nproc_per_node, slurm (nodes, gpus_per_node, cpus_per_task, timeout_min, partition, "
+        "signal_delay_s, array_parallelism, additional_parameters).",
+    )
     p.add_argument("spec", help="sweep YAML")
     p.add_argument("--dry-run", action="store_true", help="print the grid and the job count; submit nothing")
     p.add_argument("--executor", choices=["slurm", "local"], help="override the spec's executor")
@@ -22,9 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from launchers import sweep
 
     spec = sweep.load_spec(args.spec)
-    grid = sweep.build_grid(
-        spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides")
-    )
+    grid = sweep.build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
     if args.dry_run:
         print(f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name")
         for i, (p, cfg, _) in enumerate(grid):
@@ -35,10 +36,18 @@ def run(args: argparse.Namespace) -> int:
             )
         print(f"jobs: {len(grid)}")
         return 0
-    s = sweep.submit(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"),
-                     executor=args.executor or spec.get("executor", "slurm"), folder=spec.get("folder"),
-                     name=spec["name"], nproc_per_node=int(spec.get("nproc_per_node", 0)),
-                     **(spec.get("slurm") or {}))  # fmt: skip
+    s = sweep.submit(
+        spec["arms"],
+        spec["scales"],
+        spec["seeds"],
+        spec.get("schedules"),
+        spec.get("overrides"),
+        executor=args.executor or spec.get("executor", "slurm"),
+        folder=spec.get("folder"),
+        name=spec["name"],
+        nproc_per_node=int(spec.get("nproc_per_node", 0)),
+        **(spec.get("slurm") or {}),
+    )
     for p, job in zip(s.points, s.jobs):
         print(f"{p.label}: job {job.job_id}")
     print(f"jobs: {len(s.jobs)}; manifest {s.manifest_path}")

@@ -96,9 +96,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             f"experiment {experiment!r} not found in {tracking_uri}; it has: {', '.join(names) or 'none'}"
         )
     runs: list[RunSeries] = []
-    for run in client.search_runs(
-        [exp.experiment_id], filter_string="tags.kind = 'train'", max_results=10000
-    ):
+    for run in client.search_runs([exp.experiment_id], filter_string="tags.kind = 'train'", max_results=10000):
         tags, params = run.data.tags, run.data.params
         if tags.get("arm") not in ARMS:
             continue
@@ -113,12 +111,21 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             tok = latest_per_step(client.get_metric_history(rid, f"milestone/val_{x!r}_tokens"))
             stp = latest_per_step(client.get_metric_history(rid, f"milestone/val_{x!r}_step"))
             milestones[x] = (min(tok.values()), min(stp.values())) if tok and stp else None
-        runs.append(RunSeries(rid, run.info.run_name, tags["arm"], tags.get("scale", "?"), tags.get("seed", "?"),
-                              run.info.status, series, mean_std(tps)[0], milestones))  # fmt: skip
-    if not runs:
-        raise ConfigError(
-            f"experiment {experiment!r} in {tracking_uri} has no training runs (tags.kind='train')"
+        runs.append(
+            RunSeries(
+                rid,
+                run.info.run_name,
+                tags["arm"],
+                tags.get("scale", "?"),
+                tags.get("seed", "?"),
+                run.info.status,
+                series,
+                mean_std(tps)[0],
+                milestones,
+            )
         )
+    if not runs:
+        raise ConfigError(f"experiment {experiment!r} in {tracking_uri} has no training runs (tags.kind='train')")
     return sorted(runs, key=lambda r: (r.scale, ARMS.index(r.arm), r.seed))
 
 
@@ -157,22 +164,33 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]], experiment: str) -> str:
-    out = [f"## Arms comparison: {experiment}", "",
-           "| scale | arm | runs | final val loss (mean ± std) | Δ Prism − uniform | tokens/s | tokens/s ratio |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"## Arms comparison: {experiment}",
+        "",
+        "| scale | arm | runs | final val loss (mean ± std) | Δ Prism − uniform | tokens/s | tokens/s ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         delta = "" if math.isnan(r["delta_vs_uniform"]) else f"{r['delta_vs_uniform']:+.4f}"
         ratio = "" if math.isnan(r["tokens_per_sec_ratio"]) else f"{r['tokens_per_sec_ratio']:.3f}"
-        out.append(f"| {r['scale']} | {r['arm']} | {r['runs']} | {_fmt(r['final_val_loss_mean'], r['final_val_loss_std'])} "
-                   f"| {delta} | {r['tokens_per_sec_mean']:.0f} | {ratio} |")  # fmt: skip
-    out += ["", "Tokens (and steps) to first reach each validation-loss milestone (mean ± std over the runs "
-            "that reached it):", "",
-            "| scale | arm | val loss ≤ | tokens | steps | not reached |", "|---|---|---|---|---|---|"]  # fmt: skip
+        out.append(
+            f"| {r['scale']} | {r['arm']} | {r['runs']} | {_fmt(r['final_val_loss_mean'], r['final_val_loss_std'])} "
+            f"| {delta} | {r['tokens_per_sec_mean']:.0f} | {ratio} |"
+        )
+    out += [
+        "",
+        "Tokens (and steps) to first reach each validation-loss milestone (mean ± std over the runs that reached it):",
+        "",
+        "| scale | arm | val loss ≤ | tokens | steps | not reached |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for key in [k for k in r if k.endswith("_not_reached")]:
             x = key[len("val_") : -len("_not_reached")]
-            out.append(f"| {r['scale']} | {r['arm']} | {x} | {_fmt(r[f'val_{x}_tokens_mean'], r[f'val_{x}_tokens_std'], 0)} "
-                       f"| {_fmt(r[f'val_{x}_steps_mean'], r[f'val_{x}_steps_std'], 1)} | {r[key]} of {r['runs']} |")  # fmt: skip
+            out.append(
+                f"| {r['scale']} | {r['arm']} | {x} | {_fmt(r[f'val_{x}_tokens_mean'], r[f'val_{x}_tokens_std'], 0)} "
+                f"| {_fmt(r[f'val_{x}_steps_mean'], r[f'val_{x}_steps_std'], 1)} | {r[key]} of {r['runs']} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -246,9 +264,7 @@ def plot(runs: list[RunSeries], out_dir: Path) -> list[Path]:
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
             ax.plot(grid, means["prism"] - means["uniform"], color="tab:green")
             ax.axhline(0.0, color="black", lw=0.8)
-            ax.set(
-                xlabel="tokens", ylabel="Δ val loss (Prism − uniform)", title=f"{scale}: Δ val loss vs tokens"
-            )
+            ax.set(xlabel="tokens", ylabel="Δ val loss (Prism − uniform)", title=f"{scale}: Δ val loss vs tokens")
             ax.grid(alpha=0.3)
             paths.append(_save(fig, out_dir / f"delta_val_loss_vs_tokens_{scale}.png"))
     return paths
@@ -282,9 +298,7 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
     else:
-        run_id = client.create_run(
-            exp.experiment_id, run_name="comparison", tags={"kind": "comparison"}
-        ).info.run_id
+        run_id = client.create_run(exp.experiment_id, run_name="comparison", tags={"kind": "comparison"}).info.run_id
     client.log_batch(run_id, tags=[RunTag("compared_runs", ",".join(r.run_id for r in runs)[:5000])])
     for p in paths:
         client.log_artifact(run_id, str(p), "comparison")
@@ -292,9 +306,7 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
     return run_id
 
 
-def compare(
-    experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True
-) -> dict[str, Any]:
+def compare(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
     runs = load_runs(experiment, tracking_uri)
     rows = summarize(runs)
     out = Path(out_dir)

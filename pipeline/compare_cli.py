@@ -12,12 +12,8 @@ DEFAULT_STORE = "runs/mlflow.db"  # where tracking.uri: null puts runs of config
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="compare the arms of an MLflow experiment (table, CSV, plots)")
     p.add_argument("--experiment", required=True, help="MLflow experiment, e.g. prism-tiny or prism-124m")
-    p.add_argument(
-        "--tracking-uri", help=f"MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///{DEFAULT_STORE}"
-    )
-    p.add_argument(
-        "--out", help="folder for comparison.md/.csv and the PNGs (default runs/compare/EXPERIMENT)"
-    )
+    p.add_argument("--tracking-uri", help=f"MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///{DEFAULT_STORE}")
+    p.add_argument("--out", help="folder for comparison.md/.csv and the PNGs (default runs/compare/EXPERIMENT)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to a kind=comparison run")
     p.set_defaults(func=_compare)
 
@@ -28,9 +24,7 @@ def resolve_uri(uri: str | None) -> str:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(DEFAULT_STORE).resolve()}"
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
         # MLflow would silently create an empty store here.
-        raise ConfigError(
-            f"{uri}: no MLflow database there; pass --tracking-uri sqlite:///<output_dir>/mlflow.db"
-        )
+        raise ConfigError(f"{uri}: no MLflow database there; pass --tracking-uri sqlite:///<output_dir>/mlflow.db")
     return uri
 
 

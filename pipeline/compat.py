@@ -134,9 +134,7 @@ def init_model_parallel(tp: int, seed: int) -> None:
     if world % tp:
         from pipeline.config import ConfigError
 
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}"
-        )
+        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}")
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() != tp:
             parallel_state.destroy_model_parallel()

@@ -201,8 +201,15 @@ class Config:
 
 
 # Keys whose change makes a checkpoint or a dataset incompatible (resume refuses, naming the key).
-MODEL_OR_DATA_KEYS = ("run.seed", "model", "schedule", "parallel.tp", "train.batch_tokens",
-                      "train.micro_batch_size", "data")  # fmt: skip
+MODEL_OR_DATA_KEYS = (
+    "run.seed",
+    "model",
+    "schedule",
+    "parallel.tp",
+    "train.batch_tokens",
+    "train.micro_batch_size",
+    "data",
+)
 # Inside data, these only say how preparation is executed: changing them never changes the tokens.
 EXECUTION_ONLY_DATA_KEYS = ("data.executor", "data.tasks", "data.workers", "data.slurm")
 
@@ -218,9 +225,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_keys(
-    old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS
-) -> list[str]:
+def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS) -> list[str]:
     """Flattened keys under ``scope`` whose values differ between two config dicts."""
     a, b = flatten(old), flatten(new)
     keys = sorted(set(a) | set(b))
@@ -292,9 +297,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"{where}.{unknown[0]}: unknown key; allowed keys here: {', '.join(fields)}".lstrip(".")
-        )
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys here: {', '.join(fields)}".lstrip("."))
     kwargs = {}
     for name, f in fields.items():
         key = f"{where}.{name}" if where else name
@@ -338,9 +341,7 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            f"{path}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml"
-        )
+        raise ConfigError(f"{path}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -358,10 +359,17 @@ def _check_combinations(cfg: Config) -> None:
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{src}: {key}: {msg}")
 
-    positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model, "model.h_base": m.h_base,
-                "model.seq_len": m.seq_len, "train.micro_batch_size": t.micro_batch_size, "parallel.tp": p.tp,
-                "train.batch_tokens": t.batch_tokens, "data.samples_per_shard": cfg.data.samples_per_shard,
-                "data.sequences_per_sample": cfg.data.sequences_per_sample}  # fmt: skip
+    positive = {
+        "model.num_layers": m.num_layers,
+        "model.d_model": m.d_model,
+        "model.h_base": m.h_base,
+        "model.seq_len": m.seq_len,
+        "train.micro_batch_size": t.micro_batch_size,
+        "parallel.tp": p.tp,
+        "train.batch_tokens": t.batch_tokens,
+        "data.samples_per_shard": cfg.data.samples_per_shard,
+        "data.sequences_per_sample": cfg.data.sequences_per_sample,
+    }
     for key, v in positive.items():
         if v < 1:
             fail(key, f"{v} must be >= 1")
@@ -390,9 +398,14 @@ def _check_combinations(cfg: Config) -> None:
     if n_layers != m.num_layers:
         fail("schedule.heads", f"lists {n_layers} layers but model.num_layers={m.num_layers}")
     try:
-        heads = schedule.validate(schedule.resolve(cfg.schedule.heads), m.d_model, m.h_base, p.tp,
-                                  allow_guideline_violations=cfg.schedule.allow_guideline_violations,
-                                  replicate_indivisible=p.replicate_indivisible_layers)  # fmt: skip
+        heads = schedule.validate(
+            schedule.resolve(cfg.schedule.heads),
+            m.d_model,
+            m.h_base,
+            p.tp,
+            allow_guideline_violations=cfg.schedule.allow_guideline_violations,
+            replicate_indivisible=p.replicate_indivisible_layers,
+        )
     except schedule.ScheduleError as e:
         fail("schedule.heads", str(e))
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:

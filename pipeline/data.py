@@ -47,9 +47,7 @@ def read_manifest(dataset_dir: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path}: manifest is not valid JSON ({e}); re-run `prism prepare` with overwrite"
-        ) from None
+        raise DataError(f"{path}: manifest is not valid JSON ({e}); re-run `prism prepare` with overwrite") from None
     if manifest.get("format_version") not in FORMAT_VERSIONS:
         raise DataError(
             f"{path}: format_version {manifest.get('format_version')!r} is not one this loader reads "
@@ -104,17 +102,13 @@ def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
 class Shard:
     """A whole shard in memory, verified, with its samples as ``[sequences_per_sample, seq_len+1]`` views."""
 
-    def __init__(
-        self, dataset_dir: Path, entry: dict[str, Any], manifest: dict[str, Any], samples_per_shard: int
-    ):
+    def __init__(self, dataset_dir: Path, entry: dict[str, Any], manifest: dict[str, Any], samples_per_shard: int):
         path = dataset_dir / entry["path"]
         if not path.is_file():
             raise DataError(f"{path}: shard listed in the manifest is missing; re-run `prism prepare`")
         data = path.read_bytes()
         if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise DataError(
-                f"{path}: sha256 does not match the manifest (corrupted shard); re-run `prism prepare`"
-            )
+            raise DataError(f"{path}: sha256 does not match the manifest (corrupted shard); re-run `prism prepare`")
         dtype = DTYPES[manifest["dtype"]]
         rows, cols = manifest["sequences_per_sample"], manifest["seq_len"] + 1
         nbytes = rows * cols * np.dtype(dtype).itemsize
@@ -132,9 +126,7 @@ class Shard:
                     view = np.frombuffer(data, dtype=dtype, count=rows * cols, offset=member.offset_data)
                     self.samples.append(view.reshape(rows, cols))
         except tarfile.TarError as e:
-            raise DataError(
-                f"{path}: not a readable tar ({e}); the shard is corrupt, re-run `prism prepare`"
-            ) from None
+            raise DataError(f"{path}: not a readable tar ({e}); the shard is corrupt, re-run `prism prepare`") from None
         if len(self.samples) != samples_per_shard or len(self.samples) != entry["samples"]:
             raise DataError(
                 f"{path}: holds {len(self.samples)} samples, manifest says {entry['samples']} (split samples_per_shard="
@@ -153,8 +145,17 @@ class Position:
 class ShardLoader:
     """Yields int64 ``[batch_size, seq_len+1]`` numpy batches of the train split for one DP rank, forever."""
 
-    def __init__(self, cfg: Config, *, dp_rank: int, dp_size: int, batch_size: int, split: str = "train",
-                 prefetch: int | None = None, manifest: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        batch_size: int,
+        split: str = "train",
+        prefetch: int | None = None,
+        manifest: dict[str, Any] | None = None,
+    ):
         self.dataset_dir = Path(cfg.data.dataset_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.dataset_dir)
         check_compatible(self.manifest, cfg)
@@ -264,9 +265,7 @@ class ShardLoader:
     def _start(self) -> None:
         self._stop.clear()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(
-            target=self._produce, args=(self.position,), daemon=True, name="prism-loader"
-        )
+        self._thread = threading.Thread(target=self._produce, args=(self.position,), daemon=True, name="prism-loader")
         self._thread.start()
 
     def next_batch(self) -> np.ndarray:
@@ -308,7 +307,5 @@ def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.n
             if have == want:
                 return np.concatenate(rows)
     if not rows:
-        raise DataError(
-            f"{dataset_dir / MANIFEST}: the val split is empty; prepare with data.val_fraction > 0"
-        )
+        raise DataError(f"{dataset_dir / MANIFEST}: the val split is empty; prepare with data.val_fraction > 0")
     return np.concatenate(rows)  # fewer rows than asked for: the whole split

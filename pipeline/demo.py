@@ -25,12 +25,8 @@ SHARED_KEYS = ("run.seed", "train", "data", "model.seq_len", "model.num_layers",
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, <= 15 min on 2 cores)")
-    p.add_argument(
-        "overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x"
-    )
-    p.add_argument(
-        "--preset-dir", default="configs", help="folder holding tiny_uniform.yaml / tiny_prism.yaml"
-    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x")
+    p.add_argument("--preset-dir", default="configs", help="folder holding tiny_uniform.yaml / tiny_prism.yaml")
     p.set_defaults(func=run)
 
 
@@ -82,9 +78,12 @@ def finished_run(cfg) -> str | None:
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is None:
         return None
-    found = client.search_runs([exp.experiment_id],
-                               filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = "
-                               f"'FINISHED' and tags.config_hash = '{cfg.hash()}'", max_results=1)  # fmt: skip
+    found = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = "
+        f"'FINISHED' and tags.config_hash = '{cfg.hash()}'",
+        max_results=1,
+    )
     return found[0].info.run_id if found else None
 
 
@@ -98,13 +97,13 @@ def run(args: argparse.Namespace) -> int:
     cfgs = {arm: config.load(path, args.overrides) for arm, path in presets.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
     if differ:
-        raise ConfigError(
-            f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}"
-        )
+        raise ConfigError(f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}")
     cfg = cfgs["prism"]
     steps = cfg.steps(1)["total"]
-    say(f"prism demo: the Prism study in miniature on CPU; takes <= 15 minutes on 2 cores (first run), "
-        f"reruns reuse the data and finished runs. {steps} steps x {cfg.train.batch_tokens} tokens per arm.")  # fmt: skip
+    say(
+        f"prism demo: the Prism study in miniature on CPU; takes <= 15 minutes on 2 cores (first run), "
+        f"reruns reuse the data and finished runs. {steps} steps x {cfg.train.batch_tokens} tokens per arm."
+    )
 
     say("[1/4] data: embedded corpus + BPE tokenizer + prism prepare")
     # data_prep.build directly: an editable install made before data_prep/__init__.py existed sees a
@@ -120,9 +119,7 @@ def run(args: argparse.Namespace) -> int:
         if done:
             say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
             continue
-        say(
-            f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]"
-        )
+        say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]")
         cmd = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *args.overrides]
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:
@@ -139,20 +136,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {p}")
     entropy, cross, tokens = unigram_entropy(Path(manifest))
     finals = {r["arm"]: r["final_val_loss_mean"] for r in result["rows"]}
-    print(f"\nUnigram entropy of the {tokens:,} training tokens: {entropy:.3f} nats "
-          f"(that unigram's cross-entropy on val: {cross:.3f}).")  # fmt: skip
+    print(
+        f"\nUnigram entropy of the {tokens:,} training tokens: {entropy:.3f} nats "
+        f"(that unigram's cross-entropy on val: {cross:.3f})."
+    )
     for arm in ARMS:
         gap = finals[arm] - cross
         where = "below" if gap < 0 else "ABOVE"
-        print(
-            f"  final val loss {arm:>7}: {finals[arm]:.3f}  ({abs(gap):.3f} nats {where} the unigram baseline)"
-        )
+        print(f"  final val loss {arm:>7}: {finals[arm]:.3f}  ({abs(gap):.3f} nats {where} the unigram baseline)")
     if not all(finals[a] < cross for a in ARMS if not math.isnan(finals[a])):
-        print(
-            "  note: a val loss is not below the unigram baseline: the budget is too small to learn context"
-        )
-    print(f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
-          f"tick both runs, Compare.")  # fmt: skip
+        print("  note: a val loss is not below the unigram baseline: the budget is too small to learn context")
+    print(
+        f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
+        f"tick both runs, Compare."
+    )
     say(f"prism demo: done in {elapsed(t0)}")
     return 0
 

@@ -34,9 +34,7 @@ def resolve_tag_dir(path: str | Path) -> Path:
     """The tag folder that ``path`` names, directly or through a `latest` file."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(
-            f"{path}: checkpoint not found; pass a tag folder (.../step-0000123) or a checkpoint folder"
-        )
+        raise ConfigError(f"{path}: checkpoint not found; pass a tag folder (.../step-0000123) or a checkpoint folder")
     for candidate in (path, path / "checkpoints"):
         latest = candidate / "latest"
         if (candidate / "config.yaml").is_file():
@@ -44,13 +42,9 @@ def resolve_tag_dir(path: str | Path) -> Path:
         if latest.is_file():
             tag = latest.read_text().strip()
             if not (candidate / tag).is_dir():
-                raise ConfigError(
-                    f"{latest}: names tag {tag!r}, which is missing; pass an existing tag folder"
-                )
+                raise ConfigError(f"{latest}: names tag {tag!r}, which is missing; pass an existing tag folder")
             return candidate / tag
-    raise ConfigError(
-        f"{path}: neither a checkpoint tag folder (config.yaml) nor a folder with a `latest` file"
-    )
+    raise ConfigError(f"{path}: neither a checkpoint tag folder (config.yaml) nor a folder with a `latest` file")
 
 
 def load_config(tag_dir: Path, overrides: list[str] | None = None) -> Config:

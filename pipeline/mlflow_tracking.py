@@ -48,8 +48,9 @@ def milestone_key(threshold: float, what: str) -> str:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent
+        )
         return out.stdout.strip() if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -84,9 +85,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
     if os.environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
-            tags["slurm_array"] = (
-                f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
-            )
+            tags["slurm_array"] = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
     return tags
 
 
@@ -217,9 +216,7 @@ class Delivery:
                     self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in rec["tags"].items()])
                     n = 1
                 elif op == "artifact":
-                    self.client.log_artifact(
-                        run_id, str(self.journal.folder / rec["file"]), rec["dir"] or None
-                    )
+                    self.client.log_artifact(run_id, str(self.journal.folder / rec["file"]), rec["dir"] or None)
                     n = 1
                 elif op == "finish":
                     self.client.set_terminated(run_id, status=rec["status"], end_time=rec["time"])
@@ -260,16 +257,20 @@ class MlflowTracker:
         state = self.journal.state()
         if run_id is not None and state["run_id"] not in (None, run_id):
             # The checkpoint is the source of truth (e.g. a journal copied from another run).
-            log.warning("tracking: checkpoint run id %s differs from journal's %s; using the checkpoint's",
-                        run_id, state["run_id"])  # fmt: skip
+            log.warning(
+                "tracking: checkpoint run id %s differs from journal's %s; using the checkpoint's",
+                run_id,
+                state["run_id"],
+            )
         if run_id is not None:
             self.journal.save_state(run_id=run_id, uri=self.uri, experiment=cfg.experiment)
         else:
             self.journal.save_state(uri=self.uri, experiment=cfg.experiment)
         self._restore_milestones()
         params = {k: _param_value(v) for k, v in flatten(cfg.to_dict()).items()}
-        self.journal.append({"op": "start", "time": _now_ms(), "run_name": cfg.run_name,
-                             "tags": run_tags(cfg), "params": params})  # fmt: skip
+        self.journal.append(
+            {"op": "start", "time": _now_ms(), "run_name": cfg.run_name, "tags": run_tags(cfg), "params": params}
+        )
         self._deliver(force=True)
         self.run_id = self.journal.state()["run_id"]  # None while the store is unreachable
         # Re-logged on resume too: the artifact then shows the config the run finished with.
@@ -310,8 +311,12 @@ class MlflowTracker:
         self.journal.append({"op": "finish", "time": _now_ms(), "status": status})
         self._deliver(force=True)
         if self.journal.pending():
-            log.warning("tracking: %d records not delivered to %s; run `prism tracking sync %s` later",
-                        len(self.journal.pending()), self.uri, self.journal.folder)  # fmt: skip
+            log.warning(
+                "tracking: %d records not delivered to %s; run `prism tracking sync %s` later",
+                len(self.journal.pending()),
+                self.uri,
+                self.journal.folder,
+            )
 
     # --- helpers ---------------------------------------------------------------------------------
     def _deliver(self, force: bool = False) -> None:
@@ -321,8 +326,12 @@ class MlflowTracker:
             self.delivery.flush()
         except Exception as e:  # noqa: BLE001 - any failure to deliver: keep training, keep the journal
             if self.online:
-                log.warning("tracking: MLflow at %s unavailable (%s); buffering in %s",
-                            self.uri, str(e).splitlines()[0][:200], self.journal.path)  # fmt: skip
+                log.warning(
+                    "tracking: MLflow at %s unavailable (%s); buffering in %s",
+                    self.uri,
+                    str(e).splitlines()[0][:200],
+                    self.journal.path,
+                )
             self.online = False
             self.next_try = time.monotonic() + self.retry_after_s
             return
@@ -372,8 +381,10 @@ class MlflowTracker:
             m = rec["metrics"]
             for x in self.milestones:
                 if x not in self.reached and milestone_key(x, "step") in m:
-                    self.reached[x] = {"step": int(m[milestone_key(x, "step")]),
-                                       "tokens": int(m[milestone_key(x, "tokens")])}  # fmt: skip
+                    self.reached[x] = {
+                        "step": int(m[milestone_key(x, "step")]),
+                        "tokens": int(m[milestone_key(x, "tokens")]),
+                    }
 
 
 def _param_value(v: Any) -> str:
@@ -391,9 +402,7 @@ def sync(folder: str | Path, uri: str | None = None) -> tuple[int, str, str]:
 
     journal = Journal(folder)
     if not journal.path.is_file():
-        raise ConfigError(
-            f"{folder}: no {JOURNAL} here; pass the run's checkpoint folder (or its run folder)"
-        )
+        raise ConfigError(f"{folder}: no {JOURNAL} here; pass the run's checkpoint folder (or its run folder)")
     state = journal.state()
     uri = uri or state.get("uri")
     if not uri or not state.get("experiment"):

@@ -102,9 +102,7 @@ def check(
         )
     if heads[-1] != h_base:
         out.append(
-            Violation(
-                "final-baseline", True, f"the last layer must have h_base={h_base} heads, it has {heads[-1]}"
-            )
+            Violation("final-baseline", True, f"the last layer must have h_base={h_base} heads, it has {heads[-1]}")
         )
     not_tp = [i for i, h in enumerate(heads) if h % tp]
     if not_tp and not replicate_indivisible:
@@ -122,11 +120,7 @@ def check(
         desc = "; ".join(
             f"{h} heads for {e - s} layer(s) at layer(s) {_layers(range(s, e))}" for h, s, e in short_or_long
         )
-        out.append(
-            Violation(
-                "staircase", False, f"every stage before the baseline stage must hold 2-4 layers: {desc}"
-            )
-        )
+        out.append(Violation("staircase", False, f"every stage before the baseline stage must hold 2-4 layers: {desc}"))
     n_base = sum(1 for h in heads if h == h_base)
     if n_base < len(heads) / 2:
         out.append(
@@ -203,9 +197,7 @@ def resolve(spec: str | Sequence[int]) -> tuple[int, ...]:
 def enumerate_valid(d_model: int, layers: int, h_base: int, tp: int = 1) -> Iterator[tuple[int, ...]]:
     """Yield every schedule satisfying all rules and guidelines, as non-decreasing stages of 2-4 layers
     followed by a baseline stage of at least L/2 layers. Depth-first over stages, so it is fast."""
-    candidates = [
-        h for h in range(1, h_base) if d_model % h == 0 and h % tp == 0 and _head_dim_ok(d_model // h)
-    ]
+    candidates = [h for h in range(1, h_base) if d_model % h == 0 and h % tp == 0 and _head_dim_ok(d_model // h)]
     min_base = -(-layers // 2)  # ceil(L/2)
 
     def grow(prefix: tuple[int, ...], lowest_index: int) -> Iterator[tuple[int, ...]]:
@@ -238,9 +230,7 @@ def layer_params(d_model: int, ffn_hidden: int, heads: int, *, bias: bool = Fals
     return attn + mlp + 2 * d_model  # norm weights (biases of LayerNorm are counted by the model report)
 
 
-def layer_flops(
-    d_model: int, ffn_hidden: int, heads: int, seq_len: int, *, gated: bool = True
-) -> dict[str, int]:
+def layer_flops(d_model: int, ffn_hidden: int, heads: int, seq_len: int, *, gated: bool = True) -> dict[str, int]:
     """Forward FLOPs per token of one block (multiply-add = 2). Attention scores and the weighted sum cost
     2 * h_l * d_h * seq_len each (PaLM's convention, no causal discount), and h_l * d_h = d_model."""
     head_dim = d_model // heads

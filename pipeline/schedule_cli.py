@@ -27,9 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     e = verbs.add_parser("enumerate", help="every schedule that satisfies all rules")
     _shape_args(e)
-    e.add_argument(
-        "--limit", type=int, default=0, help="print at most N schedules (the count is always full)"
-    )
+    e.add_argument("--limit", type=int, default=0, help="print at most N schedules (the count is always full)")
     e.set_defaults(func=_enumerate)
 
 
@@ -41,9 +39,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 
 
 def _need_shape(args: argparse.Namespace) -> None:
-    missing = [
-        f"--{n.replace('_', '-')}" for n in ("d_model", "layers", "h_base") if getattr(args, n) is None
-    ]
+    missing = [f"--{n.replace('_', '-')}" for n in ("d_model", "layers", "h_base") if getattr(args, n) is None]
     if missing:
         raise SystemExit(f"prism schedule: error: give a CONFIG or {' '.join(missing)}")
 
@@ -55,8 +51,10 @@ def table(heads: tuple[int, ...], d_model: int, ffn: int, seq_len: int) -> str:
     stage_of = {i: n + 1 for n, (_, s, e) in enumerate(schedule.stages(heads)) for i in range(s, e)}
     for i, h in enumerate(heads):
         f = schedule.layer_flops(d_model, ffn, h, seq_len)
-        rows.append(f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
-                    f"{f['projections']:>15,} {schedule.layer_params(d_model, ffn, h):>11,}")  # fmt: skip
+        rows.append(
+            f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
+            f"{f['projections']:>15,} {schedule.layer_params(d_model, ffn, h):>11,}"
+        )
     return "\n".join(rows)
 
 
@@ -115,12 +113,12 @@ def _show(args: argparse.Namespace) -> int:
         params = sum(schedule.layer_params(m.d_model, m.ffn_hidden_size, h, bias=m.bias) for h in hs)
         flops = schedule.training_flops_per_token(hs, m.d_model, m.ffn_hidden_size, m.seq_len, m.vocab_size)
         totals[name] = (params, flops)
-        print(
-            f"{name:>13}: {schedule.compact(hs):<22} block params {params:>14,}  training FLOPs/token {flops:>16,}"
-        )
+        print(f"{name:>13}: {schedule.compact(hs):<22} block params {params:>14,}  training FLOPs/token {flops:>16,}")
     (p1, f1), (p2, f2) = totals.values()
-    print(f"neutrality: parameters {'PASS' if p1 == p2 else 'FAIL'} ({p1 - p2:+,}), "
-          f"FLOPs {'PASS' if f1 == f2 else 'FAIL'} ({f1 - f2:+,})")  # fmt: skip
+    print(
+        f"neutrality: parameters {'PASS' if p1 == p2 else 'FAIL'} ({p1 - p2:+,}), "
+        f"FLOPs {'PASS' if f1 == f2 else 'FAIL'} ({f1 - f2:+,})"
+    )
     return 0 if (p1, f1) == (p2, f2) else 1
 
 
@@ -131,6 +129,8 @@ def _enumerate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     for heads in found[: args.limit or None]:
         print(schedule.compact(heads))
-    print(f"{len(found)} valid schedules for d_model={args.d_model}, {args.layers} layers, "
-          f"h_base={args.h_base}, TP={args.tp} ({dt * 1000:.1f} ms)")  # fmt: skip
+    print(
+        f"{len(found)} valid schedules for d_model={args.d_model}, {args.layers} layers, "
+        f"h_base={args.h_base}, TP={args.tp} ({dt * 1000:.1f} ms)"
+    )
     return 0

@@ -30,8 +30,15 @@ EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 # Dense bf16 tensor-core peak per device (FLOP/s), matched by substring of torch.cuda.get_device_name().
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-              "V100": 125e12}  # fmt: skip
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -58,8 +65,9 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
 
     t = cfg.train
     # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam (~80 s) and differs per device.
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                             foreach=False)  # fmt: skip
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False
+    )
 
 
 # --- parallel plumbing ----------------------------------------------------------------------------------
@@ -68,9 +76,7 @@ def resolve_device(cfg: Config) -> str:
 
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"{cfg.source}: train.device=cuda but no GPU is visible; use train.device=cpu or auto"
-        )
+        raise ConfigError(f"{cfg.source}: train.device=cuda but no GPU is visible; use train.device=cpu or auto")
     return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
 
@@ -94,8 +100,9 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
 
     deepspeed = compat.import_deepspeed()
     optimizer = make_optimizer(cfg, model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=compat.MegatronMpu(),
-                                      config=deepspeed_config(cfg, grad_accum, dp_size))  # fmt: skip
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, mpu=compat.MegatronMpu(), config=deepspeed_config(cfg, grad_accum, dp_size)
+    )
     return engine, optimizer
 
 
@@ -229,9 +236,12 @@ def train(cfg: Config) -> dict[str, Any]:
     stopper = StopSignal()
     if master:
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
-        print(f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
-              f"ZeRO-{cfg.parallel.zero_stage} {t.precision} on {device} | {total_steps} steps, grad_accum "
-              f"{grad_accum}, warmup {warmup}", flush=True)  # fmt: skip
+        print(
+            f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
+            f"ZeRO-{cfg.parallel.zero_stage} {t.precision} on {device} | {total_steps} steps, grad_accum "
+            f"{grad_accum}, warmup {warmup}",
+            flush=True,
+        )
 
     def save(at: int) -> str:
         client_state = {"tokens_seen": tokens_seen, "run_id": run_id}
@@ -260,15 +270,25 @@ def train(cfg: Config) -> dict[str, Any]:
         step_time = time.perf_counter() - t0
 
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            info = {"step": step, "train_loss": train_loss, "grad_norm": grad_norm, "lr": lr,
-                    "micro_losses": [float(x) for x in micro_losses], "recent_losses": list(recent),
-                    "loader_position_before_step": position_before, "last_good_checkpoint":
-                    checkpoint.latest_tag(cfg.checkpoint_dir)}  # fmt: skip
+            info = {
+                "step": step,
+                "train_loss": train_loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "micro_losses": [float(x) for x in micro_losses],
+                "recent_losses": list(recent),
+                "loader_position_before_step": position_before,
+                "last_good_checkpoint": checkpoint.latest_tag(cfg.checkpoint_dir),
+            }
             path = dump_nonfinite(cfg, step, info, batches)
             if master:
-                print(f"prism train: error: non-finite loss {train_loss} / grad norm {grad_norm} at step {step}; "
-                      f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
-                      f"(lower train.lr or check the data, then resume)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"prism train: error: non-finite loss {train_loss} / grad norm {grad_norm} at step {step}; "
+                    f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
+                    f"(lower train.lr or check the data, then resume)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             exit_code = EXIT_NONFINITE
             break
         recent.append(train_loss)
@@ -279,19 +299,29 @@ def train(cfg: Config) -> dict[str, Any]:
         if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
             tok_s = t.batch_tokens / step_time
             mfu = flops_tok * tok_s / (peak * world) if peak else None
-            metrics = {"train/loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tok_s,
-                       "step_time": step_time, "tokens_seen": tokens_seen, "memory_gb": memory_gb(device)}  # fmt: skip
+            metrics = {
+                "train/loss": train_loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": tok_s,
+                "step_time": step_time,
+                "tokens_seen": tokens_seen,
+                "memory_gb": memory_gb(device),
+            }
             if val_loss is not None:
                 metrics["val/loss"] = val_loss
             if mfu is not None:
                 metrics["mfu"] = mfu
             tracker.log_metrics(metrics, step)
             if master:
-                print(f"step {step:>6}/{total_steps} | tokens {tokens_seen:,} | loss {train_loss:.4f}"
-                      + (f" | val {val_loss:.4f}" if val_loss is not None else "")
-                      + f" | lr {lr:.3e} | grad_norm {grad_norm:.3f} | {tok_s:,.0f} tok/s"
-                      + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-                      + f" | mem {metrics['memory_gb']:.2f} GB", flush=True)  # fmt: skip
+                print(
+                    f"step {step:>6}/{total_steps} | tokens {tokens_seen:,} | loss {train_loss:.4f}"
+                    + (f" | val {val_loss:.4f}" if val_loss is not None else "")
+                    + f" | lr {lr:.3e} | grad_norm {grad_norm:.3f} | {tok_s:,.0f} tok/s"
+                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+                    + f" | mem {metrics['memory_gb']:.2f} GB",
+                    flush=True,
+                )
 
         stop = stopper.agreed(device)
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
@@ -300,8 +330,11 @@ def train(cfg: Config) -> dict[str, Any]:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
         if stop:
             if master:
-                print(f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
-                      f"{EXIT_STOPPED} (requeue to resume)", flush=True)  # fmt: skip
+                print(
+                    f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
+                    f"{EXIT_STOPPED} (requeue to resume)",
+                    flush=True,
+                )
             exit_code = EXIT_STOPPED
             break
 
@@ -310,8 +343,16 @@ def train(cfg: Config) -> dict[str, Any]:
     status = {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code]
     tracker.finish(status)
     reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
-    return {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "train_loss": train_loss,
-            "val_loss": last_val, "run_id": run_id, "exit_reason": reason, "exit_code": exit_code}  # fmt: skip
+    return {
+        "steps": step,
+        "total_steps": total_steps,
+        "tokens_seen": tokens_seen,
+        "train_loss": train_loss,
+        "val_loss": last_val,
+        "run_id": run_id,
+        "exit_reason": reason,
+        "exit_code": exit_code,
+    }
 
 
 def setup_threads() -> None:

@@ -21,13 +21,19 @@ class MlflowServer:
     def __init__(self, folder: _MsPath, port: int):
         self.folder, self.port = folder, port
         self.url = f"http://127.0.0.1:{port}"
-        self.env = {**_ms_os.environ, "MLFLOW_SERVER_DIR": str(folder), "MLFLOW_SERVER_PORT": str(port),
-                    "MLFLOW_SERVER_HOST": "127.0.0.1", "PYTHON": _ms_sys.executable,
-                    "MLFLOW": str(_MsPath(_ms_sys.executable).parent / "mlflow")}  # fmt: skip
+        self.env = {
+            **_ms_os.environ,
+            "MLFLOW_SERVER_DIR": str(folder),
+            "MLFLOW_SERVER_PORT": str(port),
+            "MLFLOW_SERVER_HOST": "127.0.0.1",
+            "PYTHON": _ms_sys.executable,
+            "MLFLOW": str(_MsPath(_ms_sys.executable).parent / "mlflow"),
+        }
 
     def _run(self, action: str) -> _ms_subprocess.CompletedProcess:
-        return _ms_subprocess.run(["bash", str(_MS_SCRIPT), action], env=self.env, capture_output=True,
-                                  text=True, timeout=180)  # fmt: skip
+        return _ms_subprocess.run(
+            ["bash", str(_MS_SCRIPT), action], env=self.env, capture_output=True, text=True, timeout=180
+        )
 
     def start(self) -> None:
         out = self._run("start")
@@ -70,18 +76,36 @@ class TrackedRuns:
 def tracked_runs(tiny_data, mlflow_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("tracked-runs")
     experiment = "tracked-tiny"
-    overrides = [*tiny_data.overrides, "train.batch_tokens=1024", "train.micro_batch_size=8",
-                 "train.val_every=2", "train.val_tokens=1024", "train.log_every=1", "checkpoint.every_steps=3",
-                 f"tracking.uri={mlflow_server.url}", f"tracking.experiment={experiment}",
-                 f"tracking.milestones={TRACKED_MILESTONES}", f"run.output_dir={out}"]  # fmt: skip
+    overrides = [
+        *tiny_data.overrides,
+        "train.batch_tokens=1024",
+        "train.micro_batch_size=8",
+        "train.val_every=2",
+        "train.val_tokens=1024",
+        "train.log_every=1",
+        "checkpoint.every_steps=3",
+        f"tracking.uri={mlflow_server.url}",
+        f"tracking.experiment={experiment}",
+        f"tracking.milestones={TRACKED_MILESTONES}",
+        f"run.output_dir={out}",
+    ]
     env = {**_ms_os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     root = _MS_SCRIPT.parent.parent
 
     def launch(arm: str, seed: int, steps: int) -> tuple[str, _ms_subprocess.Popen]:
-        cmd = [_ms_sys.executable, "-m", "pipeline.cli", "train", f"configs/tiny_{arm}.yaml", *overrides,
-               f"run.seed={seed}", f"train.train_tokens={steps * 1024}"]  # fmt: skip
-        proc = _ms_subprocess.Popen(cmd, cwd=root, env=env, stdout=_ms_subprocess.PIPE,
-                                    stderr=_ms_subprocess.STDOUT, text=True)  # fmt: skip
+        cmd = [
+            _ms_sys.executable,
+            "-m",
+            "pipeline.cli",
+            "train",
+            f"configs/tiny_{arm}.yaml",
+            *overrides,
+            f"run.seed={seed}",
+            f"train.train_tokens={steps * 1024}",
+        ]
+        proc = _ms_subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=_ms_subprocess.PIPE, stderr=_ms_subprocess.STDOUT, text=True
+        )
         return f"{arm} s{seed} ({steps} steps)", proc
 
     def wait(procs) -> None:
@@ -126,20 +150,34 @@ class TinyCheckpoints:
 @_ev_pytest.fixture(scope="session")
 def tiny_checkpoints(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-checkpoints")
-    overrides = [*tiny_data.overrides, "train.batch_tokens=1024", "train.micro_batch_size=8",
-                 "train.train_tokens=2048", "train.val_every=2", "train.val_tokens=1024", "train.log_every=1",
-                 "checkpoint.every_steps=2", "tracking.system_metrics=false"]  # fmt: skip
+    overrides = [
+        *tiny_data.overrides,
+        "train.batch_tokens=1024",
+        "train.micro_batch_size=8",
+        "train.train_tokens=2048",
+        "train.val_every=2",
+        "train.val_tokens=1024",
+        "train.log_every=1",
+        "checkpoint.every_steps=2",
+        "tracking.system_metrics=false",
+    ]
     env = {**_ev_os.environ, "OMP_NUM_THREADS": "1"}
     pipe = dict(cwd=_EV_ROOT, env=env, stdout=_ev_subprocess.PIPE, stderr=_ev_subprocess.STDOUT, text=True)
     train = [_ev_sys.executable, "-m", "pipeline.cli", "train"]
-    procs = {arm: _ev_subprocess.Popen([*train, f"configs/tiny_{arm}.yaml", *overrides,
-                                        f"run.output_dir={out / arm}"], **pipe)
-             for arm in ("prism", "uniform")}  # fmt: skip
+    procs = {
+        arm: _ev_subprocess.Popen(
+            [*train, f"configs/tiny_{arm}.yaml", *overrides, f"run.output_dir={out / arm}"], **pipe
+        )
+        for arm in ("prism", "uniform")
+    }
     for arm, proc in procs.items():
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"tiny {arm} training failed:\n{log[-3000:]}"
-    return TinyCheckpoints(out / "prism" / "prism-tiny-s1234" / "checkpoints",
-                           out / "uniform" / "uniform-tiny-s1234" / "checkpoints", overrides)  # fmt: skip
+    return TinyCheckpoints(
+        out / "prism" / "prism-tiny-s1234" / "checkpoints",
+        out / "uniform" / "uniform-tiny-s1234" / "checkpoints",
+        overrides,
+    )
 
 
 # ==== end tiny_checkpoints ================================================================================
@@ -179,8 +217,12 @@ def tiny_data(tmp_path_factory) -> TinyData:
     root = tmp_path_factory.mktemp("tiny_data")
     corpus = build_embedded_corpus(root / "corpus", max_bytes=TINY_CORPUS_BYTES, num_files=8)
     tokenizer = train_bpe_tokenizer(corpus, root / "bpe8k.json", vocab_size=8192, eos_token="<|endoftext|>")
-    overrides = [f"data.dataset_dir={root / 'dataset'}", f"data.tokenizer={tokenizer}", f"data.input={corpus}",
-                 "model.seq_len=128"]  # fmt: skip
+    overrides = [
+        f"data.dataset_dir={root / 'dataset'}",
+        f"data.tokenizer={tokenizer}",
+        f"data.input={corpus}",
+        "model.seq_len=128",
+    ]
     manifest_path = prepare(config.load(_TD_ROOT / "configs" / "tiny_prism.yaml", overrides), quiet=True)
     return TinyData(root / "dataset", tokenizer, corpus, overrides, json.loads(manifest_path.read_text()))
 
@@ -200,8 +242,9 @@ _SC_OPS = _ScPath(__file__).resolve().parent.parent / "ops" / "local_slurm"
 
 class SlurmCluster:
     def sbatch(self, script: str, env: dict[str, str], cwd: _ScPath) -> str:
-        out = _sc_subprocess.run(["sbatch", "--parsable", script], env=env, cwd=cwd, capture_output=True,
-                                 text=True, timeout=30)  # fmt: skip
+        out = _sc_subprocess.run(
+            ["sbatch", "--parsable", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=30
+        )
         assert out.returncode == 0, f"sbatch failed: {out.stderr}"
         return out.stdout.strip().split(";")[0]
 
@@ -222,8 +265,9 @@ class SlurmCluster:
     def sacct(self, job_id: str) -> str:
         """Final state of the job allocation from accounting (lags ~1 s behind completion)."""
         for _ in range(50):
-            out = _sc_subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
-                                     text=True, timeout=30)  # fmt: skip
+            out = _sc_subprocess.run(
+                ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True, timeout=30
+            )
             if out.stdout.strip() and out.stdout.split()[0] not in ("RUNNING", "PENDING", "REQUEUED"):
                 return out.stdout.split()[0]
             _sc_time.sleep(0.2)

@@ -98,9 +98,7 @@ def naive_eq1(probs: torch.Tensor) -> float:
     window = range(seq_len // 2 + 1, seq_len + 1)
     total = 0.0
     for head in range(heads):
-        per_query = [
-            sum(float(probs[head, t - 1, s - 1]) * abs(t - s) for s in range(1, t + 1)) for t in window
-        ]
+        per_query = [sum(float(probs[head, t - 1, s - 1]) * abs(t - s) for s in range(1, t + 1)) for t in window]
         total += sum(per_query) / len(per_query)
     return total / heads
 
@@ -119,8 +117,18 @@ def test_attention_distance_cli_matches_eq1_and_writes_the_comparison(tiny_check
     from pipeline.model import capture_attention, logits
 
     n = 2
-    args = ["attention-distance", str(tiny_checkpoints.prism), "--compare", str(tiny_checkpoints.uniform),
-            "--split", "val", "--sequences", str(n), "--out", str(tmp_path)]  # fmt: skip
+    args = [
+        "attention-distance",
+        str(tiny_checkpoints.prism),
+        "--compare",
+        str(tiny_checkpoints.uniform),
+        "--split",
+        "val",
+        "--sequences",
+        str(n),
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "ΔD_l = D_l(Prism) - D_l(uniform)" in capsys.readouterr().out
     prism_rows = read_csv(tmp_path / "attention-distance-prism-tiny-s1234-step-0000002.csv")
@@ -128,9 +136,7 @@ def test_attention_distance_cli_matches_eq1_and_writes_the_comparison(tiny_check
 
     # The same numbers, recomputed independently: the trainer's own val reader, the model's hook, Eq. 1 by hand.
     cfg, model, _ = load_checkpoint(tiny_checkpoints.prism, device="cpu")
-    val_cfg = config.from_dict(
-        config.apply_overrides(cfg.to_dict(), [f"train.val_tokens={n * cfg.model.seq_len}"])
-    )
+    val_cfg = config.from_dict(config.apply_overrides(cfg.to_dict(), [f"train.val_tokens={n * cfg.model.seq_len}"]))
     rows = data.load_val_tokens(val_cfg)
     assert rows.shape == (n, cfg.model.seq_len + 1)
     per_layer: dict[int, list[float]] = {}
@@ -158,15 +164,21 @@ def test_attention_distance_cli_matches_eq1_and_writes_the_comparison(tiny_check
     for d, p, u in zip(delta["layers"], prism_rows, uniform_rows):
         assert d["delta"] == pytest.approx(p["D"] - u["D"], rel=1e-6, abs=1e-9) and d["delta_se"] > 0
         assert (d["heads_prism"], d["heads_uniform"]) == (int(p["heads"]), int(u["heads"]))
-    for png in ("attention-distance-delta.png", "attention-distance-all.png",
-                "attention-distance-prism-tiny-s1234-step-0000002.png"):  # fmt: skip
+    for png in (
+        "attention-distance-delta.png",
+        "attention-distance-all.png",
+        "attention-distance-prism-tiny-s1234-step-0000002.png",
+    ):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for arm in ("prism", "uniform"):
         client = MlflowClient(tiny_checkpoints.tracking_uri(arm))
         (run,) = client.search_runs([client.get_experiment_by_name("prism-tiny").experiment_id])
         logged = {a.path.split("/")[-1] for a in client.list_artifacts(run.info.run_id, "attention_distance")}
-        assert {f"attention-distance-{arm}-tiny-s1234-step-0000002.csv", "attention-distance-delta.csv",
-                "attention-distance-delta.png"} <= logged  # fmt: skip
+        assert {
+            f"attention-distance-{arm}-tiny-s1234-step-0000002.csv",
+            "attention-distance-delta.csv",
+            "attention-distance-delta.png",
+        } <= logged
 
 
 def test_attention_distance_bad_input_is_one_line(tiny_checkpoints, tmp_path, capsys):
@@ -177,7 +189,15 @@ def test_attention_distance_bad_input_is_one_line(tiny_checkpoints, tmp_path, ca
     assert err.startswith("prism attention-distance: error: --sequences 100000:") and "\n" not in err
     assert main(["attention-distance", str(tiny_checkpoints.prism), "--split", "test"]) == 2
     assert "--split test" in capsys.readouterr().err
-    same_arm = ["attention-distance", str(tiny_checkpoints.prism), "--compare", str(tiny_checkpoints.prism),
-                "--sequences", "1", "--out", str(tmp_path)]  # fmt: skip
+    same_arm = [
+        "attention-distance",
+        str(tiny_checkpoints.prism),
+        "--compare",
+        str(tiny_checkpoints.prism),
+        "--sequences",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(same_arm) == 2
     assert "needs Prism and uniform checkpoints" in capsys.readouterr().err

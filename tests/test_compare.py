@@ -21,8 +21,9 @@ def expected_numbers(client, experiment):
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
         tps = latest_per_step(client.get_metric_history(rid, "tokens_per_sec"))
         tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
-        by_arm[run.data.tags["arm"]].append({"final": val[max(val)], "tps": statistics.mean(tps.values()),
-                                             "val": val, "tokens": tokens})  # fmt: skip
+        by_arm[run.data.tags["arm"]].append(
+            {"final": val[max(val)], "tps": statistics.mean(tps.values()), "val": val, "tokens": tokens}
+        )
     return by_arm
 
 
@@ -62,22 +63,14 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
             hits = [h for h in (first_reach(r, x) for r in runs) if h]
             assert int(row[f"val_{x!r}_not_reached"]) == 2 - len(hits)
             if hits:
-                assert float(row[f"val_{x!r}_tokens_mean"]) == pytest.approx(
-                    statistics.mean(h[0] for h in hits)
-                )
-                assert float(row[f"val_{x!r}_steps_mean"]) == pytest.approx(
-                    statistics.mean(h[1] for h in hits)
-                )
+                assert float(row[f"val_{x!r}_tokens_mean"]) == pytest.approx(statistics.mean(h[0] for h in hits))
+                assert float(row[f"val_{x!r}_steps_mean"]) == pytest.approx(statistics.mean(h[1] for h in hits))
             else:
                 assert row[f"val_{x!r}_tokens_mean"] == ""
-    delta = statistics.mean(r["final"] for r in want["prism"]) - statistics.mean(
-        r["final"] for r in want["uniform"]
-    )
+    delta = statistics.mean(r["final"] for r in want["prism"]) - statistics.mean(r["final"] for r in want["uniform"])
     assert float(rows["prism"]["delta_vs_uniform"]) == pytest.approx(delta)
     assert f"{delta:+.4f}" in printed
-    ratio = statistics.mean(r["tps"] for r in want["prism"]) / statistics.mean(
-        r["tps"] for r in want["uniform"]
-    )
+    ratio = statistics.mean(r["tps"] for r in want["prism"]) / statistics.mean(r["tps"] for r in want["uniform"])
     assert float(rows["prism"]["tokens_per_sec_ratio"]) == pytest.approx(ratio)
 
     pngs = ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]

@@ -129,11 +129,7 @@ def test_overrides_and_hash():
     over = config.load(
         "configs/tiny_prism.yaml", ["train.lr=3e-4", "schedule.heads=2x4,4x4", "tracking.milestones=[5.0]"]
     )
-    assert (
-        over.train.lr == 3e-4
-        and over.heads_per_layer == (2,) * 4 + (4,) * 4
-        and over.tracking.milestones == [5.0]
-    )
+    assert over.train.lr == 3e-4 and over.heads_per_layer == (2,) * 4 + (4,) * 4 and over.tracking.milestones == [5.0]
     assert base.hash() == config.load("configs/tiny_prism.yaml").hash()
     assert base.hash() != over.hash()
     with pytest.raises(ConfigError, match="write it as section.key=value"):

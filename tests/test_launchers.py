@@ -21,20 +21,32 @@ BATCH_TOKENS = 1024  # 8 sequences of 128: one optimizer step per micro-batch, a
 
 def _train_overrides(tiny_data, tmp_path: Path, server, experiment: str, steps: int, seed: int) -> list[str]:
     return tiny_data.overrides + [
-        f"run.output_dir={tmp_path / 'runs'}", f"run.seed={seed}", f"train.batch_tokens={BATCH_TOKENS}",
-        f"train.train_tokens={steps * BATCH_TOKENS}", "train.val_every=100", "train.val_tokens=2048",
-        "train.log_every=1", "checkpoint.every_steps=100", f"tracking.uri={server.url}",
-        f"tracking.experiment={experiment}", "tracking.system_metrics=false",
-    ]  # fmt: skip
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"run.seed={seed}",
+        f"train.batch_tokens={BATCH_TOKENS}",
+        f"train.train_tokens={steps * BATCH_TOKENS}",
+        "train.val_every=100",
+        "train.val_tokens=2048",
+        "train.log_every=1",
+        "checkpoint.every_steps=100",
+        f"tracking.uri={server.url}",
+        f"tracking.experiment={experiment}",
+        "tracking.system_metrics=false",
+    ]
 
 
-def _sbatch_env(
-    overrides: list[str], log: Path, config_path: str = "configs/tiny_prism.yaml"
-) -> dict[str, str]:
+def _sbatch_env(overrides: list[str], log: Path, config_path: str = "configs/tiny_prism.yaml") -> dict[str, str]:
     # The CPU-only way in, environment only: no GPUs requested, one gloo process, our log path.
-    return {**os.environ, "SBATCH_GPUS_PER_NODE": "0", "SBATCH_OUTPUT": str(log), "SBATCH_ERROR": str(log),
-            "PRISM_CONFIG": config_path, "PRISM_OVERRIDES": " ".join(overrides), "PRISM_VENV": str(Path(sys.prefix)),
-            "PRISM_SHUTDOWN_GRACE": "60"}  # fmt: skip
+    return {
+        **os.environ,
+        "SBATCH_GPUS_PER_NODE": "0",
+        "SBATCH_OUTPUT": str(log),
+        "SBATCH_ERROR": str(log),
+        "PRISM_CONFIG": config_path,
+        "PRISM_OVERRIDES": " ".join(overrides),
+        "PRISM_VENV": str(Path(sys.prefix)),
+        "PRISM_SHUTDOWN_GRACE": "60",
+    }
 
 
 def _runs_named(server, experiment: str, run_name: str, want_status: str = "FINISHED", timeout_s: float = 30):
@@ -52,13 +64,9 @@ def _runs_named(server, experiment: str, run_name: str, want_status: str = "FINI
 
 
 def test_sweep_dry_run_counts_the_grid(tmp_path):
-    ramps = (
-        h for h in schedule.enumerate_valid(768, 12, 12) if len(set(h)) > 1
-    )  # non-constant 124m schedules
+    ramps = (h for h in schedule.enumerate_valid(768, 12, 12) if len(set(h)) > 1)  # non-constant 124m schedules
     heads_124m = [schedule.compact(h) for h in itertools.islice(ramps, 3)]
-    valid_tiny = list(
-        schedule.enumerate_valid(256, 8, 4)
-    )  # configs/tiny_prism.yaml: d 256, 8 layers, h_base 4
+    valid_tiny = list(schedule.enumerate_valid(256, 8, 4))  # configs/tiny_prism.yaml: d 256, 8 layers, h_base 4
     cases = [
         ({"arms": ["prism"], "scales": ["124m"], "seeds": [1, 2, 3], "schedules": heads_124m}, 1 * 1 * 3 * 3),
         ({"arms": ["prism", "uniform"], "scales": ["124m", "354m"], "seeds": [1, 2]}, 2 * 2 * 2 * 1),
@@ -71,23 +79,29 @@ def test_sweep_dry_run_counts_the_grid(tmp_path):
     for i, (spec, expected) in enumerate(cases):
         path = tmp_path / f"spec{i}.yaml"
         path.write_text(json.dumps(spec))  # JSON is YAML
-        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "sweep", str(path), "--dry-run"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "sweep", str(path), "--dry-run"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert f"jobs: {expected}" in out.stdout
-        rows = [
-            line for line in out.stdout.splitlines() if "->" in line and not line.lstrip().startswith("#")
-        ]
+        rows = [line for line in out.stdout.splitlines() if "->" in line and not line.lstrip().startswith("#")]
         assert len(rows) == expected
         if spec.get("schedules") == "all-valid":
             assert {r.split()[4] for r in rows} == {schedule.compact(h) for h in valid_tiny}
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text(
-        json.dumps({"arms": ["uniform"], "scales": ["124m"], "seeds": [1], "schedules": heads_124m[:1]})
+    bad.write_text(json.dumps({"arms": ["uniform"], "scales": ["124m"], "seeds": [1], "schedules": heads_124m[:1]}))
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "sweep", str(bad), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "sweep", str(bad), "--dry-run"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "uniform" in out.stderr, out.stderr
 
 
@@ -115,8 +129,9 @@ def test_sbatch_preset_runs_tiny_on_cpu_and_logs_to_mlflow(slurm_cluster, mlflow
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == steps
 
 
-def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(slurm_cluster, mlflow_server, tiny_data,
-                                                                         tmp_path):  # fmt: skip
+def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(
+    slurm_cluster, mlflow_server, tiny_data, tmp_path
+):
     steps, seed, experiment = 6, 12, "launchers-requeue"
     overrides = _train_overrides(tiny_data, tmp_path, mlflow_server, experiment, steps, seed)
     log = tmp_path / "job.out"
@@ -126,9 +141,7 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(slurm_
         assert time.monotonic() < deadline, (
             f"job {job} did not reach step 2: {log.read_text()[-2000:] if log.exists() else ''}"
         )
-        assert slurm_cluster.state(job), (
-            f"job {job} ended early: {log.read_text()[-2000:] if log.exists() else ''}"
-        )
+        assert slurm_cluster.state(job), f"job {job} ended early: {log.read_text()[-2000:] if log.exists() else ''}"
         time.sleep(0.2)
     # What `#SBATCH --signal=B:USR1@180` does before the time limit: USR1 to the batch shell only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
@@ -158,11 +171,19 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
     from launchers import sweep
 
     steps, experiment = 4, "launchers-sweep"
-    overrides = _train_overrides(
-        tiny_data, tmp_path, mlflow_server, experiment, steps, seed=0
-    )  # seeds: below
-    s = sweep.submit(arms=["prism", "uniform"], scales=["tiny"], seeds=[21], overrides=overrides, executor="slurm",
-                     folder=tmp_path / "sweep", name="test", cpus_per_task=1, timeout_min=20, signal_delay_s=60)  # fmt: skip
+    overrides = _train_overrides(tiny_data, tmp_path, mlflow_server, experiment, steps, seed=0)  # seeds: below
+    s = sweep.submit(
+        arms=["prism", "uniform"],
+        scales=["tiny"],
+        seeds=[21],
+        overrides=overrides,
+        executor="slurm",
+        folder=tmp_path / "sweep",
+        name="test",
+        cpus_per_task=1,
+        timeout_min=20,
+        signal_delay_s=60,
+    )
     assert len({j.job_id.split("_")[0] for j in s.jobs}) == 1, "one job array for the whole grid"
     # Preempt the prism job the way submitit's `#SBATCH --signal=USR2@60` does; the uniform one runs through.
     preempted = s.jobs[0]
@@ -180,7 +201,9 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
 
     manifest = json.loads(s.manifest_path.read_text())
     assert [(e["arm"], e["seed"], e["job_id"]) for e in manifest["jobs"]] == [
-        ("prism", 21, s.jobs[0].job_id), ("uniform", 21, s.jobs[1].job_id)]  # fmt: skip
+        ("prism", 21, s.jobs[0].job_id),
+        ("uniform", 21, s.jobs[1].job_id),
+    ]
     for entry, job in zip(manifest["jobs"], s.jobs):
         assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
         assert entry["run_name"] == f"{entry['arm']}-tiny-s21"

@@ -38,9 +38,7 @@ def test_dp_ranks_get_disjoint_equal_shards_every_epoch(tiny_data):
     n = len(data.read_manifest(cfg.data.dataset_dir)["splits"]["train"]["shards"])
     assert n >= 2, "the tiny dataset needs >= 2 train shards for DP tests"
     for epoch in range(3):
-        per_rank = [
-            data.ShardLoader(cfg, dp_rank=r, dp_size=2, batch_size=4).epoch_shards(epoch) for r in range(2)
-        ]
+        per_rank = [data.ShardLoader(cfg, dp_rank=r, dp_size=2, batch_size=4).epoch_shards(epoch) for r in range(2)]
         assert len(per_rank[0]) == len(per_rank[1]) == n // 2  # remainder dropped: equal counts
         assert not set(per_rank[0]) & set(per_rank[1])
     loader = data.ShardLoader(cfg, dp_rank=0, dp_size=1, batch_size=4)
@@ -83,9 +81,7 @@ def test_one_epoch_yields_every_row_once(tiny_data):
     # a batch mixes the shard: its rows are not consecutive sequences of one packed sample
     index = {r: i for i, r in enumerate(rows)}
     per_sample = tiny_data.manifest["sequences_per_sample"]
-    samples_per_batch = [
-        len({index[r] // per_sample for r in seen[i : i + batch]}) for i in range(0, len(seen), batch)
-    ]
+    samples_per_batch = [len({index[r] // per_sample for r in seen[i : i + batch]}) for i in range(0, len(seen), batch)]
     assert sum(samples_per_batch) / len(samples_per_batch) > 0.9 * batch
 
 
@@ -118,9 +114,7 @@ def test_val_set_is_fixed_and_the_same_for_both_arms(tiny_data):
     assert a.shape == (2048 // 128, 129) and np.array_equal(a, b)
     manifest = data.read_manifest(prism.data.dataset_dir)
     first = manifest["splits"]["val"]["shards"][0]
-    shard = data.Shard(
-        Path(prism.data.dataset_dir), first, manifest, manifest["splits"]["val"]["samples_per_shard"]
-    )
+    shard = data.Shard(Path(prism.data.dataset_dir), first, manifest, manifest["splits"]["val"]["samples_per_shard"])
     assert np.array_equal(a[: len(shard.samples[0])], shard.samples[0])  # first rows, manifest/tar order
 
 
@@ -155,25 +149,31 @@ def test_refuses_corrupted_and_truncated_shards(tiny_data, dataset_copy):
 
 def test_refuses_mismatched_tokenizer_vocab_and_seq_len(tiny_data, tmp_path):
     with pytest.raises(data.DataError, match="seq_len=128 but model.seq_len=64"):
-        data.check_compatible(
-            data.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.seq_len=64")
-        )
+        data.check_compatible(data.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.seq_len=64"))
     vocab = data.read_manifest(tiny_data.dataset_dir)["tokenizer"]["vocab_size"]
     with pytest.raises(data.DataError, match=f"vocab_size={vocab} exceeds model.vocab_size=100"):
-        data.check_compatible(
-            data.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.vocab_size=100")
-        )
+        data.check_compatible(data.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.vocab_size=100"))
     # another tokenizer file: refused by `prism train` itself, one line, exit 2
     other = tmp_path / "other-tokenizer.json"
     other.write_bytes(Path(tiny_data.tokenizer).read_bytes() + b" ")
-    assert hashlib.sha256(other.read_bytes()).hexdigest() != hashlib.sha256(
-        Path(tiny_data.tokenizer).read_bytes()
-    )
+    assert hashlib.sha256(other.read_bytes()).hexdigest() != hashlib.sha256(Path(tiny_data.tokenizer).read_bytes())
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "train", str(ROOT / "configs/tiny_prism.yaml"), *tiny_data.overrides,
-         f"data.tokenizer={other}", f"run.output_dir={tmp_path / 'runs'}", "tracking.enabled=false"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "train",
+            str(ROOT / "configs/tiny_prism.yaml"),
+            *tiny_data.overrides,
+            f"data.tokenizer={other}",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     err_lines = [line for line in out.stderr.splitlines() if line.startswith("prism train: error:")]
     assert len(err_lines) == 1 and "different tokenizer" in err_lines[0] and str(other) in err_lines[0]

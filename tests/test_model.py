@@ -29,9 +29,7 @@ def tiny_model():
 
 
 # --- per-layer attention against plain PyTorch -------------------------------------------------------
-def reference_attention(
-    x: torch.Tensor, attn, heads: int, rope_base: float, rope: bool = True
-) -> torch.Tensor:
+def reference_attention(x: torch.Tensor, attn, heads: int, rope_base: float, rope: bool = True) -> torch.Tensor:
     """Fused QKV split into h_l heads, RoPE (rotate-half), causal softmax, merge, output projection."""
     s, b, d = x.shape
     dh = d // heads
@@ -61,7 +59,9 @@ def test_attention_matches_plain_pytorch(tiny_model, layer_index):
     attn = model.decoder.layers[layer_index].self_attention
     heads = cfg.heads_per_layer[layer_index]
     assert (attn.num_attention_heads_per_partition, attn.hidden_size_per_attention_head) == (
-        heads, cfg.model.d_model // heads)  # fmt: skip
+        heads,
+        cfg.model.d_model // heads,
+    )
     x = 3 * torch.randn(32, 2, cfg.model.d_model, generator=torch.Generator().manual_seed(layer_index))
     with torch.no_grad():
         out, bias = attn(x, attention_mask=None)
@@ -93,8 +93,9 @@ def test_capture_attention_gives_per_layer_probabilities(tiny_model):
     # Layer 3's probabilities equal the reference's, computed from that layer's own normed input.
     layer = model.decoder.layers[2]
     with torch.no_grad():
-        _, ref_probs = reference_attention(layer.input_layernorm(hidden["x"]), layer.self_attention,
-                                           cfg.heads_per_layer[2], cfg.model.rope_base)  # fmt: skip
+        _, ref_probs = reference_attention(
+            layer.input_layernorm(hidden["x"]), layer.self_attention, cfg.heads_per_layer[2], cfg.model.rope_base
+        )
     torch.testing.assert_close(maps[3], ref_probs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(captured, plain, atol=0, rtol=0)  # capturing does not change the output
     assert not any(m._forward_pre_hooks for m in model.modules() if m.__class__.__name__ == "SDPAttention")
@@ -125,9 +126,7 @@ def test_sdpa_and_megatron_core_attention_agree(tiny_model):
         losses.append(loss.detach())
         grads.append(model.decoder.layers[0].self_attention.linear_qkv.weight.grad.clone())
     with torch.no_grad():
-        torch.testing.assert_close(
-            logits(sdpa, tokens[:, :-1]), logits(megatron, tokens[:, :-1]), atol=1e-5, rtol=1e-5
-        )
+        torch.testing.assert_close(logits(sdpa, tokens[:, :-1]), logits(megatron, tokens[:, :-1]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     sdpa.zero_grad(set_to_none=True)
@@ -166,8 +165,10 @@ def test_uniform_and_prism_have_identical_parameters(scale):
     counts = []
     for cfg in (prism, uniform):
         model = build_model(cfg, meta=True)
-        counts.append([sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
-                      + [sum(p.numel() for p in model.parameters())])  # fmt: skip
+        counts.append(
+            [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
+            + [sum(p.numel() for p in model.parameters())]
+        )
     assert counts[0] == counts[1]
     if scale in PAPER:
         assert abs(counts[0][-1] / PAPER[scale] - 1) < 0.01, counts[0][-1]
@@ -181,9 +182,7 @@ def test_flops_per_token_counts_every_layer_and_the_padded_vocab():
         cfg = config.load(path)
         m, v = cfg.model, padded_vocab_size(cfg)
         # Written out by hand: per layer 4 d^2 projections, 2 * s * (h_l * d_h = d) attention, 3 d ffn MLP.
-        per_layer = (
-            2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len + 2 * 3 * m.d_model * m.ffn_hidden_size
-        )
+        per_layer = 2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len + 2 * 3 * m.d_model * m.ffn_hidden_size
         assert flops_per_token(cfg) == 3 * (m.num_layers * per_layer + 2 * m.d_model * v)
         assert flops_per_token(cfg) == flops_per_token(uniform_twin(cfg))
     assert padded_vocab_size(config.load("configs/prism_124m.yaml")) == 50304
@@ -235,9 +234,7 @@ def test_replication_is_opt_in_and_its_extra_flops_are_counted(tiny_model, caplo
     assert replication_overhead(cfg) == 2 * per_layer // 2  # each rank does the other rank's half too
     assert replication_overhead(load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")) == 0
     with pytest.raises(ConfigError, match="model.dropout"):
-        build_model(
-            load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1")
-        )
+        build_model(load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1"))
 
 
 def test_model_report_cli_proves_neutrality_for_757m(tiny_model, capsys):

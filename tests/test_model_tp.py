@@ -18,8 +18,16 @@ def test_tp2_matches_tp1(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "model_tp_worker.py"), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests" / "model_tp_worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out)
@@ -33,11 +41,7 @@ def test_tp2_matches_tp1(tmp_path):
         torch.testing.assert_close(r["tp_loss"], r["ref_loss"], atol=1e-6, rtol=1e-6, msg=name)
         assert sorted(r["tp_maps"]) == list(range(1, 9))
         for layer, probs in r["ref_maps"].items():
-            torch.testing.assert_close(
-                r["tp_maps"][layer], probs, atol=1e-6, rtol=1e-5, msg=f"{name} {layer}"
-            )
+            torch.testing.assert_close(r["tp_maps"][layer], probs, atol=1e-6, rtol=1e-5, msg=f"{name} {layer}")
         assert r["tp_grads"].keys() == r["ref_grads"].keys()
         for param, grad in r["tp_grads"].items():
-            torch.testing.assert_close(
-                grad, r["ref_grads"][param], atol=1e-6, rtol=1e-4, msg=f"{name} {param}"
-            )
+            torch.testing.assert_close(grad, r["ref_grads"][param], atol=1e-6, rtol=1e-4, msg=f"{name} {param}")

@@ -83,9 +83,7 @@ def test_tensor_parallel_rule_lists_offending_layers():
     (tp_rule,) = [p for p in problems if p.rule == "tensor-parallel"]
     assert "layer(s) 1, 2 have [3] heads" in tp_rule.message
     assert schedule.check(schedule.preset("paper-757m"), 1536, 16, tp=2) == []
-    assert "tensor-parallel" in {
-        p.rule for p in schedule.check(schedule.preset("paper-757m"), 1536, 16, tp=4)
-    }
+    assert "tensor-parallel" in {p.rule for p in schedule.check(schedule.preset("paper-757m"), 1536, 16, tp=4)}
     # the explicit opt-in (replicated layers) lifts only this rule
     assert schedule.check(schedule.preset("paper-124m"), 768, 12, tp=2, replicate_indivisible=True) == []
 

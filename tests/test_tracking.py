@@ -18,8 +18,9 @@ from pipeline.mlflow_tracking import Journal, MlflowTracker, milestone_key, sync
 
 
 def tiny_cfg(tmp_path, arm="prism", overrides=()):
-    return config.load(f"configs/tiny_{arm}.yaml",
-                       [f"run.output_dir={tmp_path}", "tracking.system_metrics=false", *overrides])  # fmt: skip
+    return config.load(
+        f"configs/tiny_{arm}.yaml", [f"run.output_dir={tmp_path}", "tracking.system_metrics=false", *overrides]
+    )
 
 
 def fake_val_losses(n):
@@ -29,8 +30,9 @@ def fake_val_losses(n):
 
 def log_steps(tracker, steps, losses, batch_tokens):
     for step, loss in zip(steps, losses):
-        tracker.log_metrics({"train/loss": loss + 0.1, "tokens_seen": step * batch_tokens,
-                             "tokens_per_sec": 1000.0 + step}, step)  # fmt: skip
+        tracker.log_metrics(
+            {"train/loss": loss + 0.1, "tokens_seen": step * batch_tokens, "tokens_per_sec": 1000.0 + step}, step
+        )
         tracker.log_metrics({"val/loss": loss}, step)
 
 
@@ -165,8 +167,10 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
     assert names == ["prism-tiny-s1", "prism-tiny-s2", "uniform-tiny-s1", "uniform-tiny-s2"]
     for run in runs:
         arm, seed = run.data.tags["arm"], int(run.data.tags["seed"])
-        cfg = config.load(f"configs/tiny_{arm}.yaml", [*tracked_runs.overrides, f"run.seed={seed}",
-                                                        f"train.train_tokens={TRACKED_STEPS * 1024}"])  # fmt: skip
+        cfg = config.load(
+            f"configs/tiny_{arm}.yaml",
+            [*tracked_runs.overrides, f"run.seed={seed}", f"train.train_tokens={TRACKED_STEPS * 1024}"],
+        )
         rid = run.info.run_id
         assert run.info.status == "FINISHED" and run.info.run_name == cfg.run_name
         assert set(run.data.params) == set(flatten(cfg.to_dict()))

@@ -27,10 +27,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESET = ROOT / "configs" / "tiny_prism.yaml"
 STEPS, CKPT_EVERY = 6, 3
 # 4 layers, 2 x 128 tokens per micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
-SMALL = ["model.num_layers=4", "schedule.heads=2x2,4x2", "train.batch_tokens=1024", "train.micro_batch_size=2",
-         f"train.train_tokens={STEPS * 1024}", "train.warmup_fraction=0.34", "tracking.enabled=false",
-         "train.log_every=1", "train.val_every=3", "train.val_tokens=1024", f"checkpoint.every_steps={CKPT_EVERY}",
-         "checkpoint.keep_last=2", "train.precision=fp32"]  # fmt: skip
+SMALL = [
+    "model.num_layers=4",
+    "schedule.heads=2x2,4x2",
+    "train.batch_tokens=1024",
+    "train.micro_batch_size=2",
+    f"train.train_tokens={STEPS * 1024}",
+    "train.warmup_fraction=0.34",
+    "tracking.enabled=false",
+    "train.log_every=1",
+    "train.val_every=3",
+    "train.val_tokens=1024",
+    f"checkpoint.every_steps={CKPT_EVERY}",
+    "checkpoint.keep_last=2",
+    "train.precision=fp32",
+]
 
 
 def overrides(tiny_data, out: Path, *extra: str) -> list[str]:
@@ -47,8 +58,15 @@ def command(ov: list[str], nproc: int) -> list[str]:
     train = ["-m", "pipeline.cli", "train", str(PRESET), *ov]
     if nproc == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", *train]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *train,
+    ]
 
 
 def env() -> dict[str, str]:
@@ -57,9 +75,7 @@ def env() -> dict[str, str]:
 
 def run(ov: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     out = subprocess.run(command(ov, nproc), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, (
-        f"prism train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    )
+    assert out.returncode == 0, f"prism train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
 
@@ -76,8 +92,9 @@ def metrics(out: Path) -> dict[int, dict]:
 def kill_after_checkpoint(ov: list[str], nproc: int, out: Path) -> None:
     """Start a run, SIGKILL all its processes as soon as the first checkpoint is complete."""
     latest = checkpoint_dir(out) / "latest"
-    proc = subprocess.Popen(command(ov, nproc), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command(ov, nproc), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 240
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -182,8 +199,9 @@ def test_resume_refused_after_model_change(reference, tiny_data):
 def test_signal_checkpoints_at_step_boundary_and_exits_3(reference, tiny_data, tmp_path):
     _, ref, _ = reference
     ov = overrides(tiny_data, tmp_path, "checkpoint.every_steps=100")
-    proc = subprocess.Popen(command(ov, 1), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command(ov, 1), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     jsonl = checkpoint_dir(tmp_path) / "metrics.jsonl"
     while not jsonl.exists() and proc.poll() is None:
         time.sleep(0.02)
@@ -238,8 +256,9 @@ def reference_loop(cfg: config.Config, dp_size: int, steps: int) -> tuple[list[f
     model = build_model(cfg)
     opt = make_optimizer(cfg, model)
     plan = cfg.steps(dp_size)
-    loaders = [data.ShardLoader(cfg, dp_rank=r, dp_size=dp_size, batch_size=cfg.train.micro_batch_size)
-               for r in range(dp_size)]  # fmt: skip
+    loaders = [
+        data.ShardLoader(cfg, dp_rank=r, dp_size=dp_size, batch_size=cfg.train.micro_batch_size) for r in range(dp_size)
+    ]
     step_losses, norms = [], []
     for step in range(steps):
         for group in opt.param_groups:
@@ -282,7 +301,4 @@ def test_nonfinite_loss_stops_with_exit_4_and_keeps_the_last_good_checkpoint(tin
     dump = json.loads((ckpt / "nonfinite-step-0000002-rank0.json").read_text())
     assert dump["step"] == 2 and dump["last_good_checkpoint"] == "step-0000001"
     assert not math.isfinite(dump["train_loss"]) or not math.isfinite(dump["grad_norm"])
-    assert (
-        "prism train: error: non-finite loss" in out.stderr
-        and (ckpt / "nonfinite-step-0000002-rank0.npz").exists()
-    )
+    assert "prism train: error: non-finite loss" in out.stderr and (ckpt / "nonfinite-step-0000002-rank0.npz").exists()

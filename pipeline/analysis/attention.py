@@ -69,17 +69,17 @@ def measure(model: torch.nn.Module, cfg: Config, sequences: Iterator[np.ndarray]
             if probs is not None:
                 acc.add(module.layer_number, probs)
 
-        attention_modules = [
-            m for m in model.modules() if hasattr(m, "core_attention") and hasattr(m, "layer_number")
-        ]
+        attention_modules = [m for m in model.modules() if hasattr(m, "core_attention") and hasattr(m, "layer_number")]
         handles = [m.register_forward_hook(reduce_layer) for m in attention_modules]
         try:
             for row in sequences:
                 if seen == n:
                     break
                 if len(row) - 1 < seq_len:
-                    raise ConfigError(f"the dataset's sequences hold {len(row) - 1} tokens but the model's context "
-                                      f"is model.seq_len={seq_len}; use the dataset the run trained on")  # fmt: skip
+                    raise ConfigError(
+                        f"the dataset's sequences hold {len(row) - 1} tokens but the model's context "
+                        f"is model.seq_len={seq_len}; use the dataset the run trained on"
+                    )
                 logits(model, torch.from_numpy(row[:seq_len]).to(device)[None])
                 for layer in sorted(maps):  # maps a layer hook did not pick up (none expected)
                     acc.add(layer, maps.pop(layer))
@@ -107,12 +107,22 @@ def delta_rows(prism: list[list[dict]], uniform: list[list[dict]]) -> list[dict]
 
     layers = {len(rows) for rows in prism + uniform}
     if len(layers) != 1:
-        raise ConfigError(f"--compare: the checkpoints have different layer counts {sorted(layers)}; compare "
-                          "runs of one scale")  # fmt: skip
+        raise ConfigError(
+            f"--compare: the checkpoints have different layer counts {sorted(layers)}; compare runs of one scale"
+        )
     out = []
     for i in range(layers.pop()):
         p_mean, p_var, p_heads = group(prism, i)
         u_mean, u_var, u_heads = group(uniform, i)
-        out.append({"layer": i + 1, "delta": p_mean - u_mean, "delta_se": (p_var + u_var) ** 0.5,
-                    "D_prism": p_mean, "D_uniform": u_mean, "heads_prism": p_heads, "heads_uniform": u_heads})  # fmt: skip
+        out.append(
+            {
+                "layer": i + 1,
+                "delta": p_mean - u_mean,
+                "delta_se": (p_var + u_var) ** 0.5,
+                "D_prism": p_mean,
+                "D_uniform": u_mean,
+                "heads_prism": p_heads,
+                "heads_uniform": u_heads,
+            }
+        )
     return out

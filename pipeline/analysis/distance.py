@@ -37,9 +37,7 @@ def head_distances(probs: torch.Tensor) -> torch.Tensor:
     extra memory is one [ceil(T/2), T] weight matrix whatever the head count.
     """
     if probs.dim() < 3 or probs.shape[-1] != probs.shape[-2]:
-        raise ValueError(
-            f"attention probabilities must be [..., heads, T, T], got shape {tuple(probs.shape)}"
-        )
+        raise ValueError(f"attention probabilities must be [..., heads, T, T], got shape {tuple(probs.shape)}")
     seq_len = probs.shape[-1]
     rows = query_rows(seq_len)
     weights = distance_weights(seq_len, probs.device)
@@ -76,8 +74,14 @@ class LayerSummary:
         return math.sqrt(sum((v - m) ** 2 for v in self.values) / (n - 1))
 
     def row(self) -> dict[str, float | int]:
-        return {"layer": self.layer, "D": self.mean, "std": self.std, "heads": self.heads,
-                "head_dim": self.head_dim, "sequences": len(self.values)}  # fmt: skip
+        return {
+            "layer": self.layer,
+            "D": self.mean,
+            "std": self.std,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "sequences": len(self.values),
+        }
 
 
 class DistanceAccumulator:

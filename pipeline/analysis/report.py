@@ -14,9 +14,7 @@ COLUMNS = ("layer", "D", "std", "heads", "head_dim", "sequences")
 DELTA_COLUMNS = ("layer", "delta", "delta_se", "D_prism", "D_uniform", "heads_prism", "heads_uniform")
 
 
-def write_table(
-    rows: list[dict[str, Any]], columns: tuple[str, ...], meta: dict[str, Any], stem: Path
-) -> list[Path]:
+def write_table(rows: list[dict[str, Any]], columns: tuple[str, ...], meta: dict[str, Any], stem: Path) -> list[Path]:
     """``stem``.csv (one row per layer) and ``stem``.json ({**meta, "layers": rows})."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
@@ -44,8 +42,14 @@ def plot_distance(series: dict[str, list[dict[str, Any]]], path: Path, title: st
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for label, rows in series.items():
-        ax.errorbar([r["layer"] for r in rows], [r["D"] for r in rows], yerr=[r["std"] for r in rows],
-                    marker="o", capsize=3, label=label)  # fmt: skip
+        ax.errorbar(
+            [r["layer"] for r in rows],
+            [r["D"] for r in rows],
+            yerr=[r["std"] for r in rows],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     ax.set_xlabel("layer")
     ax.set_ylabel("attention distance $D_l$ (tokens)")
     ax.set_title(title)
@@ -70,9 +74,7 @@ def progressive_stages(heads: list[int] | tuple[int, ...]) -> list[tuple[int, in
     return stages
 
 
-def plot_delta(
-    rows: list[dict[str, Any]], prism_heads: list[int] | tuple[int, ...], path: Path, title: str
-) -> Path:
+def plot_delta(rows: list[dict[str, Any]], prism_heads: list[int] | tuple[int, ...], path: Path, title: str) -> Path:
     """ΔD_l = D_l(Prism) − D_l(uniform) per layer, progressive-phase layers shaded (paper Fig. 4)."""
     import matplotlib
 
@@ -82,11 +84,17 @@ def plot_delta(
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, (first, last, h) in enumerate(progressive_stages(prism_heads)):
         ax.axvspan(first - 0.5, last + 0.5, color="tab:orange", alpha=0.10 + 0.08 * (i % 2), lw=0)
-        ax.text((first + last) / 2, 1.0, f"h={h}", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
-                fontsize=8)  # fmt: skip
+        ax.text(
+            (first + last) / 2, 1.0, f"h={h}", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8
+        )
     layers = [r["layer"] for r in rows]
-    ax.bar(layers, [r["delta"] for r in rows], yerr=[r["delta_se"] for r in rows], capsize=3,
-           color=["tab:blue" if r["delta"] < 0 else "tab:red" for r in rows])  # fmt: skip
+    ax.bar(
+        layers,
+        [r["delta"] for r in rows],
+        yerr=[r["delta_se"] for r in rows],
+        capsize=3,
+        color=["tab:blue" if r["delta"] < 0 else "tab:red" for r in rows],
+    )
     ax.axhline(0.0, color="black", lw=0.8)
     ax.set_xticks(layers)
     ax.set_xlabel("layer (shaded: Prism's progressive phase)")

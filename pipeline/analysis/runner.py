@@ -11,8 +11,9 @@ from pipeline.analysis.attention import count_sequences, delta_rows, iter_sequen
 from pipeline.config import ConfigError
 
 
-def measure_checkpoint(path: str | Path, split: str, sequences: int, out_dir: Path | None, device: str,
-                       overrides: list[str]) -> dict[str, Any]:  # fmt: skip
+def measure_checkpoint(
+    path: str | Path, split: str, sequences: int, out_dir: Path | None, device: str, overrides: list[str]
+) -> dict[str, Any]:
     """D_l of one checkpoint: writes <out>/<run>-<tag>.{csv,json,png}; returns the result with its files."""
     from pipeline.inference import load_checkpoint, load_config, resolve_tag_dir
 
@@ -28,12 +29,25 @@ def measure_checkpoint(path: str | Path, split: str, sequences: int, out_dir: Pa
     gc.collect()
     out = Path(out_dir) if out_dir else cfg.run_dir / "analysis"
     name = f"{cfg.run_name}-{info.tag_dir.name}"
-    meta = {"checkpoint": str(info.tag_dir), "run_name": cfg.run_name, "arm": cfg.run.arm, "step": info.step,
-            "split": split, "sequences": sequences, "seq_len": cfg.model.seq_len,
-            "heads_per_layer": list(cfg.heads_per_layer), "query_window": "1-indexed floor(T/2)+1..T"}  # fmt: skip
+    meta = {
+        "checkpoint": str(info.tag_dir),
+        "run_name": cfg.run_name,
+        "arm": cfg.run.arm,
+        "step": info.step,
+        "split": split,
+        "sequences": sequences,
+        "seq_len": cfg.model.seq_len,
+        "heads_per_layer": list(cfg.heads_per_layer),
+        "query_window": "1-indexed floor(T/2)+1..T",
+    }
     files = report.write_table(rows, report.COLUMNS, meta, out / f"attention-distance-{name}")
-    files.append(report.plot_distance({name: rows}, out / f"attention-distance-{name}.png",
-                                      f"attention distance, {split} ({sequences} sequences, T={cfg.model.seq_len})"))  # fmt: skip
+    files.append(
+        report.plot_distance(
+            {name: rows},
+            out / f"attention-distance-{name}.png",
+            f"attention distance, {split} ({sequences} sequences, T={cfg.model.seq_len})",
+        )
+    )
     return {"cfg": cfg, "info": info, "rows": rows, "name": name, "files": files, "meta": meta}
 
 
@@ -43,24 +57,49 @@ def compare(main: list[dict[str, Any]], other: list[dict[str, Any]], out: Path) 
     for result in main + other:
         groups[result["cfg"].run.arm].append(result)
     if not groups["prism"] or not groups["uniform"]:
-        raise ConfigError("--compare needs Prism and uniform checkpoints (one side each, seeds allowed); "
-                          f"got arms {sorted({r['cfg'].run.arm for r in main + other})}")  # fmt: skip
+        raise ConfigError(
+            "--compare needs Prism and uniform checkpoints (one side each, seeds allowed); "
+            f"got arms {sorted({r['cfg'].run.arm for r in main + other})}"
+        )
     rows = delta_rows([r["rows"] for r in groups["prism"]], [r["rows"] for r in groups["uniform"]])
     prism_heads = groups["prism"][0]["cfg"].heads_per_layer
-    meta = {"prism": [r["name"] for r in groups["prism"]], "uniform": [r["name"] for r in groups["uniform"]],
-            "prism_heads_per_layer": list(prism_heads), "split": main[0]["meta"]["split"],
-            "sequences": main[0]["meta"]["sequences"], "definition": "delta = D_l(prism) - D_l(uniform)"}  # fmt: skip
+    meta = {
+        "prism": [r["name"] for r in groups["prism"]],
+        "uniform": [r["name"] for r in groups["uniform"]],
+        "prism_heads_per_layer": list(prism_heads),
+        "split": main[0]["meta"]["split"],
+        "sequences": main[0]["meta"]["sequences"],
+        "definition": "delta = D_l(prism) - D_l(uniform)",
+    }
     stem = out / "attention-distance-delta"
     files = report.write_table(rows, report.DELTA_COLUMNS, meta, stem)
-    files.append(report.plot_delta(rows, prism_heads, stem.with_suffix(".png"),
-                                   f"$\\Delta D_l$: {len(groups['prism'])} Prism vs {len(groups['uniform'])} uniform"))  # fmt: skip
-    files.append(report.plot_distance({r["name"]: r["rows"] for r in main + other},
-                                      out / "attention-distance-all.png", "attention distance per layer"))  # fmt: skip
+    files.append(
+        report.plot_delta(
+            rows,
+            prism_heads,
+            stem.with_suffix(".png"),
+            f"$\\Delta D_l$: {len(groups['prism'])} Prism vs {len(groups['uniform'])} uniform",
+        )
+    )
+    files.append(
+        report.plot_distance(
+            {r["name"]: r["rows"] for r in main + other},
+            out / "attention-distance-all.png",
+            "attention distance per layer",
+        )
+    )
     return {"rows": rows, "files": files, "meta": meta}
 
 
-def run(paths: list[str], compare_paths: list[str], split: str = "val", sequences: int = 16,
-        out: str | Path | None = None, device: str = "auto", overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    paths: list[str],
+    compare_paths: list[str],
+    split: str = "val",
+    sequences: int = 16,
+    out: str | Path | None = None,
+    device: str = "auto",
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     from pipeline.eval.harness import log_to_mlflow
 
     if sequences < 1:

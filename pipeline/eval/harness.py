@@ -69,24 +69,31 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
     quiet_lm_eval()
     datasets.disable_progress_bars()
     manager = check_tasks(tasks, source)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, num_fewshot=0,
-                                  bootstrap_iters=1000, log_samples=True)  # fmt: skip
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, limit=limit, task_manager=manager, num_fewshot=0, bootstrap_iters=1000, log_samples=True
+    )
     scores: dict[str, Any] = {}
     for task in tasks:
         result, cfg = out["results"][task], out["configs"][task]
         samples = out["samples"][task]
         # lm-eval scores the test split when the task has one, else validation.
         split = cfg.get("test_split") or cfg.get("validation_split")
-        entry: dict[str, Any] = {"split": split, "source": source, "samples": len(samples),
-                                 "chance": sum(1 / len(s["arguments"]) for s in samples) / len(samples)}  # fmt: skip
+        entry: dict[str, Any] = {
+            "split": split,
+            "source": source,
+            "samples": len(samples),
+            "chance": sum(1 / len(s["arguments"]) for s in samples) / len(samples),
+        }
         for metric in METRICS:
             if f"{metric},none" in result:
                 entry[metric] = float(result[f"{metric},none"])
                 stderr = result.get(f"{metric}_stderr,none")
                 entry[f"{metric}_stderr"] = float(stderr) if isinstance(stderr, int | float) else None
         if PUBLISHED_SPLIT.get(task, split) != split:
-            entry["note"] = (f"scored on {split}; published {task} numbers use {PUBLISHED_SPLIT[task]}, "
-                             "so these are not comparable to them")  # fmt: skip
+            entry["note"] = (
+                f"scored on {split}; published {task} numbers use {PUBLISHED_SPLIT[task]}, "
+                "so these are not comparable to them"
+            )
         scores[task] = entry
     return scores
 
@@ -96,8 +103,9 @@ def write_json(data: dict[str, Any], path: Path) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def log_to_mlflow(cfg: Any, run_id: str | None, metrics: dict[str, float], step: int | None,
-                  artifacts: list[tuple[str, Path]]) -> dict[str, Any]:  # fmt: skip
+def log_to_mlflow(
+    cfg: Any, run_id: str | None, metrics: dict[str, float], step: int | None, artifacts: list[tuple[str, Path]]
+) -> dict[str, Any]:
     """Log metrics and (artifact folder, file) pairs to the checkpoint's run; returns what happened.
 
     Never raises: the files on disk are the record, and a tracking outage must not lose them."""
@@ -121,14 +129,25 @@ def log_to_mlflow(cfg: Any, run_id: str | None, metrics: dict[str, float], step:
             client.log_artifact(run_id, str(file), artifact_path=artifact_dir)
     except Exception as e:  # noqa: BLE001 (any tracking failure is reported, not raised)
         log.warning("MLflow logging to %s failed: %s", uri, e)
-        return {"logged": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                "uri": uri, "run_id": run_id}  # fmt: skip
+        return {
+            "logged": False,
+            "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            "uri": uri,
+            "run_id": run_id,
+        }
     return {"logged": True, "uri": uri, "run_id": run_id}
 
 
-def run(checkpoint: str | Path, tasks: list[str], limit: int | None = None, out: str | Path | None = None,
-        batch_size: int = 16, device: str = "auto", source: str = "offline",
-        overrides: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    checkpoint: str | Path,
+    tasks: list[str],
+    limit: int | None = None,
+    out: str | Path | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    source: str = "offline",
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     """Evaluate one checkpoint, write the JSON report, log to its MLflow run; returns the report."""
     from pipeline.eval.lm import PrismLM
     from pipeline.inference import load_checkpoint, load_tokenizer
@@ -140,10 +159,17 @@ def run(checkpoint: str | Path, tasks: list[str], limit: int | None = None, out:
     started = time.time()
     scores = evaluate(lm, tasks, limit, source)
     report = {
-        "checkpoint": str(info.tag_dir), "run_name": cfg.run_name, "arm": cfg.run.arm, "scale": cfg.run.scale,
-        "step": info.step, "config_hash": cfg.hash(), "num_fewshot": 0, "limit": limit,
-        "seconds": round(time.time() - started, 1), "tasks": scores,
-    }  # fmt: skip
+        "checkpoint": str(info.tag_dir),
+        "run_name": cfg.run_name,
+        "arm": cfg.run.arm,
+        "scale": cfg.run.scale,
+        "step": info.step,
+        "config_hash": cfg.hash(),
+        "num_fewshot": 0,
+        "limit": limit,
+        "seconds": round(time.time() - started, 1),
+        "tasks": scores,
+    }
     path = Path(out) if out else cfg.run_dir / "eval" / f"{info.tag_dir.name}-zeroshot.json"
     write_json(report, path)
     metrics = {f"eval/{task}/{m}": s[m] for task, s in scores.items() for m in METRICS if m in s}

@@ -19,8 +19,15 @@ LogitsFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
 class PrismLM(TemplateLM):
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_id: int, seq_len: int,
-                 batch_size: int = 16, logits_fn: LogitsFn | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        eos_id: int,
+        seq_len: int,
+        batch_size: int = 16,
+        logits_fn: LogitsFn | None = None,
+    ):
         super().__init__()
         if logits_fn is None:
             from pipeline.model import logits as logits_fn
@@ -75,9 +82,7 @@ class PrismLM(TemplateLM):
                 results[i] = (logprob, greedy)
                 (context_text, continuation_text) = requests[i][0]
                 if context_text is not None:
-                    self.cache_hook.add_partial(
-                        "loglikelihood", (context_text, continuation_text), results[i]
-                    )
+                    self.cache_hook.add_partial("loglikelihood", (context_text, continuation_text), results[i])
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:

@@ -40,8 +40,7 @@ class PrismSelfAttention(SelfAttention):
     1-rank "TP group": its QKV/O weights and attention are whole on every TP rank, no collectives run, and
     the identical replicas see identical inputs and gradients."""
 
-    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
-                 pg_collection=None):  # fmt: skip
+    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None, pg_collection=None):
         from megatron.core.transformer.enums import AttnMaskType
 
         self.replicated = False
@@ -51,8 +50,14 @@ class PrismSelfAttention(SelfAttention):
             pg_collection = copy.copy(pg_collection)
             pg_collection.tp = compat.single_rank_groups()[torch.distributed.get_rank()]
             self.replicated = True
-        super().__init__(config, submodules, layer_number, attn_mask_type or AttnMaskType.padding,
-                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)  # fmt: skip
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type or AttnMaskType.padding,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
         if self.replicated:
             for p in self.parameters():
                 # not a TP shard: DeepSpeed's grad norm then counts it once, not once per TP rank
@@ -72,8 +77,17 @@ class SDPAttention(MegatronModule):
     Same call signature as megatron's DotProductAttention: q, k, v are [s, b, heads_per_rank, d_h] and the
     result is [s, b, heads_per_rank * d_h]. The mask argument is ignored: attention is causal."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError("SDPAttention expects plain multi-head attention (num_query_groups = heads)")
@@ -81,8 +95,9 @@ class SDPAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale  # None: 1/sqrt(d_h), SDPA's default
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d_h]
@@ -92,8 +107,9 @@ class SDPAttention(MegatronModule):
 
             # Heads are split over TP ranks: draw dropout masks from the TP-region RNG, as megatron does.
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                     scale=self.softmax_scale)  # fmt: skip
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale
+                )
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         s, b = query.shape[0], query.shape[1]

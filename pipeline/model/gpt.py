@@ -34,9 +34,7 @@ class PrismTransformerConfig(TransformerConfig):
     def __post_init__(self):
         super().__post_init__()
         if len(self.heads_per_layer) != self.num_layers:
-            raise ValueError(
-                f"heads_per_layer has {len(self.heads_per_layer)} entries for {self.num_layers} layers"
-            )
+            raise ValueError(f"heads_per_layer has {len(self.heads_per_layer)} entries for {self.num_layers} layers")
         self.heterogeneous_block_specs = True
 
     def get_config_for_layer(self, layer_number: int) -> TransformerConfig:
@@ -44,8 +42,13 @@ class PrismTransformerConfig(TransformerConfig):
         tp = self.tensor_model_parallel_size
         if heads % tp and self.replicate_indivisible_layers:
             tp = 1  # only the attention is replicated (PrismSelfAttention); megatron checks heads % tp
-        return dataclasses.replace(self, num_attention_heads=heads, num_query_groups=heads,
-                                   kv_channels=self.hidden_size // heads, tensor_model_parallel_size=tp)  # fmt: skip
+        return dataclasses.replace(
+            self,
+            num_attention_heads=heads,
+            num_query_groups=heads,
+            kv_channels=self.hidden_size // heads,
+            tensor_model_parallel_size=tp,
+        )
 
 
 def replicated_layers(cfg: Config) -> list[int]:
@@ -77,17 +80,19 @@ def flops_per_token(cfg: Config) -> int:
     plus the logits over the padded vocab. The trainer's MFU uses exactly this."""
     m = cfg.model
     return schedule.training_flops_per_token(
-        cfg.heads_per_layer, m.d_model, m.ffn_hidden_size, m.seq_len, padded_vocab_size(cfg),
+        cfg.heads_per_layer,
+        m.d_model,
+        m.ffn_hidden_size,
+        m.seq_len,
+        padded_vocab_size(cfg),
         gated=m.activation == "swiglu",
-    )  # fmt: skip
+    )
 
 
 def use_cuda(cfg: Config) -> bool:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"{cfg.source}: train.device: 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'"
-        )
+        raise ConfigError(f"{cfg.source}: train.device: 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
     return want == "cuda" or (want == "auto" and torch.cuda.is_available())
 
 
@@ -155,17 +160,19 @@ def check_buildable(cfg: Config) -> None:
     m, tp = cfg.model, cfg.parallel.tp
     try:
         schedule.validate(
-            cfg.heads_per_layer, m.d_model, m.h_base, tp,
+            cfg.heads_per_layer,
+            m.d_model,
+            m.h_base,
+            tp,
             allow_guideline_violations=cfg.schedule.allow_guideline_violations,
             replicate_indivisible=cfg.parallel.replicate_indivisible_layers,
-        )  # fmt: skip
+        )
     except schedule.ScheduleError as e:
         raise ConfigError(f"{cfg.source}: schedule.heads: {e}") from None
     if replicated_layers(cfg) and m.dropout:
         # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
         raise ConfigError(
-            f"{cfg.source}: model.dropout={m.dropout}: parallel.replicate_indivisible_layers needs "
-            "model.dropout=0"
+            f"{cfg.source}: model.dropout={m.dropout}: parallel.replicate_indivisible_layers needs model.dropout=0"
         )
     if parallel_state.model_parallel_is_initialized():
         world_tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -193,8 +200,11 @@ def build_model(cfg: Config, *, meta: bool = False):
             "model: layers %s have head counts not divisible by TP=%d and run their attention replicated "
             "on every TP rank: +%s training FLOPs per token per rank (+%.1f%% of a rank's share); "
             "the two arms are no longer compute-neutral",
-            replicated_layers(cfg), cfg.parallel.tp, f"{replication_overhead(cfg):,}", 100 * share,
-        )  # fmt: skip
+            replicated_layers(cfg),
+            cfg.parallel.tp,
+            f"{replication_overhead(cfg):,}",
+            100 * share,
+        )
     config = transformer_config(cfg, meta=meta)
     device = torch.device("meta") if meta else contextlib.nullcontext()
     with device:
@@ -238,9 +248,7 @@ def logits(model, inputs: torch.Tensor) -> torch.Tensor:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on both
         parts = [torch.empty_like(out) for _ in range(tp)]
-        torch.distributed.all_gather(
-            parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
-        )
+        torch.distributed.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         out = torch.cat(parts, dim=-1)
     return out[..., : _true_vocab(model)]
 
