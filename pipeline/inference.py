@@ -16,6 +16,7 @@ import yaml
 
 from pipeline import config as config_lib
 from pipeline.config import Config, ConfigError
+from pipeline.distributed import resolve_device
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 # Overrides may repoint paths (tokenizer, dataset, tracking) but never change what the weights mean.
@@ -57,16 +58,6 @@ def load_config(tag_dir: Path, overrides: list[str] | None = None) -> Config:
     return cfg
 
 
-def pick_device(requested: str = "auto"):
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-    return torch.device(requested)
-
-
 def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
     """(cfg, model in eval mode, CheckpointInfo). TP=1 checkpoints only."""
     import torch
@@ -77,7 +68,7 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
     tag_dir = resolve_tag_dir(path)
     # Place the model where this machine can run it; build_model reads train.device (and train.precision,
     # so a bf16 run is evaluated in bf16 — on GPU the path the paper's numbers come from).
-    cfg = load_config(tag_dir, [*(overrides or []), f"train.device={pick_device(device).type}"])
+    cfg = load_config(tag_dir, [*(overrides or []), f"train.device={resolve_device(device)}"])
     shards = sorted(p.name for p in tag_dir.glob("mp_rank_*_model_states.pt"))
     if cfg.parallel.tp != 1 or len(shards) > 1:
         raise ConfigError(

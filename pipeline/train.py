@@ -25,6 +25,7 @@ import numpy as np
 from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, ConfigError
+from pipeline.distributed import DeviceError, dp_mean, resolve_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -71,15 +72,6 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
 
 
 # --- parallel plumbing ----------------------------------------------------------------------------------
-def resolve_device(cfg: Config) -> str:
-    import torch
-
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{cfg.source}: train.device=cuda but no GPU is visible; use train.device=cpu or auto")
-    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
-
-
 def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, Any]:
     t = cfg.train
     return {
@@ -104,17 +96,6 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
         model=model, optimizer=optimizer, mpu=compat.MegatronMpu(), config=deepspeed_config(cfg, grad_accum, dp_size)
     )
     return engine, optimizer
-
-
-def dp_mean(value: Any, device: str) -> float:
-    """Mean of a scalar over the data-parallel group (TP peers already agree)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    t = torch.as_tensor(value, dtype=torch.float32, device=device).clone()
-    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return float(t) / parallel_state.get_data_parallel_world_size()
 
 
 class StopSignal:
@@ -209,7 +190,10 @@ def train(cfg: Config) -> dict[str, Any]:
     resume_tag = checkpoint.check_resume(cfg)
     manifest = data.read_manifest(cfg.data.dataset_dir)
     data.check_compatible(manifest, cfg)
-    device = resolve_device(cfg)
+    try:
+        device = resolve_device(cfg.train.device)
+    except DeviceError as e:
+        raise ConfigError(f"{cfg.source}: train.device: {e}") from None
 
     compat.init_model_parallel(cfg.parallel.tp, cfg.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()

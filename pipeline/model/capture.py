@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from pipeline.distributed import tp_all_gather
+
 
 def _probs(query: torch.Tensor, key: torch.Tensor, scale: float | None) -> torch.Tensor:
     q, k = query.permute(1, 2, 0, 3).float(), key.permute(1, 2, 0, 3).float()  # [b, h, s, d_h]
@@ -19,17 +21,6 @@ def _probs(query: torch.Tensor, key: torch.Tensor, scale: float | None) -> torch
     scores = (q @ k.transpose(-1, -2)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
     return scores.masked_fill_(causal, float("-inf")).softmax(dim=-1)
-
-
-def _gather_heads(probs: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return probs
-    parts = [torch.empty_like(probs) for _ in range(tp)]
-    torch.distributed.all_gather(parts, probs, group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=1)  # rank r holds heads [r*h/tp, (r+1)*h/tp)
 
 
 @contextlib.contextmanager
@@ -51,7 +42,7 @@ def capture_attention(model):
         def hook(_mod, args, _layer=module.layer_number, _scale=scale, _whole=module.replicated):
             with torch.no_grad():
                 probs = _probs(args[0], args[1], _scale)
-                captured[_layer] = probs if _whole else _gather_heads(probs)  # replicas hold all heads
+                captured[_layer] = probs if _whole else tp_all_gather(probs, dim=1)  # replicas hold all heads
 
         handles.append(core.register_forward_pre_hook(hook))
     try:

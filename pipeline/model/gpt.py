@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipeline import schedule
 from pipeline.config import Config, ConfigError
+from pipeline.distributed import DeviceError, resolve_device, tp_all_gather
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,10 @@ def flops_per_token(cfg: Config) -> int:
 
 
 def use_cuda(cfg: Config) -> bool:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{cfg.source}: train.device: 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    return want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    try:
+        return resolve_device(cfg.train.device) == "cuda"
+    except DeviceError as e:
+        raise ConfigError(f"{cfg.source}: train.device: {e}") from None
 
 
 def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerConfig:
@@ -242,14 +243,7 @@ def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:
     """[b, s, vocab] logits, gathered over TP ranks, padding columns removed (for eval: the TP gather
     carries no gradient)."""
-    from megatron.core import parallel_state
-
-    out = _forward_local_logits(model, inputs)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp > 1:  # megatron's gather allocates on CUDA; a plain all_gather works on both
-        parts = [torch.empty_like(out) for _ in range(tp)]
-        torch.distributed.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-        out = torch.cat(parts, dim=-1)
+    out = tp_all_gather(_forward_local_logits(model, inputs), dim=-1)
     return out[..., : _true_vocab(model)]
 
 
