@@ -22,6 +22,7 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.tracking import store
 
 ARMS = ("uniform", "prism")
 
@@ -86,9 +87,7 @@ def _thresholds(params: dict[str, str], metric_keys: list[str]) -> list[float]:
 
 
 def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = store.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         names = [e.name for e in client.search_experiments()]
@@ -289,9 +288,8 @@ def _write(path: Path, text: str) -> Path:
 def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: list[RunSeries]) -> str:
     """Artifacts onto the experiment's one `kind=comparison` run (reused on later calls)."""
     from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = store.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     found = client.search_runs([exp.experiment_id], filter_string="tags.kind = 'comparison'", max_results=1)
     if found:
@@ -306,7 +304,8 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
     return run_id
 
 
-def compare(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
+def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
+    """Load the experiment's training runs, write the report into ``out_dir`` and (optionally) log it."""
     runs = load_runs(experiment, tracking_uri)
     rows = summarize(runs)
     out = Path(out_dir)

@@ -6,13 +6,15 @@ import argparse
 import os
 from pathlib import Path
 
-DEFAULT_STORE = "runs/mlflow.db"  # where tracking.uri: null puts runs of configs with run.output_dir=runs
+DEFAULT_OUTPUT_DIR = "runs"  # tracking.uri: null puts runs of configs with run.output_dir=runs in runs/mlflow.db
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="compare the arms of an MLflow experiment (table, CSV, plots)")
     p.add_argument("--experiment", required=True, help="MLflow experiment, e.g. prism-tiny or prism-124m")
-    p.add_argument("--tracking-uri", help=f"MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///{DEFAULT_STORE}")
+    p.add_argument(
+        "--tracking-uri", help=f"MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///{DEFAULT_OUTPUT_DIR}/mlflow.db"
+    )
     p.add_argument("--out", help="folder for comparison.md/.csv and the PNGs (default runs/compare/EXPERIMENT)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to a kind=comparison run")
     p.set_defaults(func=_compare)
@@ -20,20 +22,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def resolve_uri(uri: str | None) -> str:
     from pipeline.config import ConfigError
+    from pipeline.tracking import store
 
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(DEFAULT_STORE).resolve()}"
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
-        # MLflow would silently create an empty store here.
+    uri = store.resolve_uri(uri or os.environ.get("MLFLOW_TRACKING_URI"), DEFAULT_OUTPUT_DIR)
+    if not store.store_exists(uri):
         raise ConfigError(f"{uri}: no MLflow database there; pass --tracking-uri sqlite:///<output_dir>/mlflow.db")
     return uri
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from pipeline.compare import compare
+    from pipeline.compare import compare_arms
 
     uri = resolve_uri(args.tracking_uri)
     out = args.out or str(Path("runs") / "compare" / args.experiment)
-    result = compare(args.experiment, uri, out, log_to_mlflow=not args.no_log)
+    result = compare_arms(args.experiment, uri, out, log_to_mlflow=not args.no_log)
     print(result["table"])
     for p in result["paths"]:
         print(f"wrote {p}")

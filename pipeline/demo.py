@@ -67,14 +67,12 @@ def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
 
 def finished_run(cfg) -> str | None:
     """Run id of an already FINISHED MLflow run of exactly this config, if the store has one."""
-    from pipeline.mlflow_tracking import default_uri
+    from pipeline.tracking import store
 
-    uri = default_uri(cfg)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+    uri = store.run_uri(cfg)
+    if not store.store_exists(uri):
         return None
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = store.client(uri)
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is None:
         return None
@@ -90,7 +88,7 @@ def finished_run(cfg) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
     from pipeline.config import ConfigError, changed_keys
-    from pipeline.mlflow_tracking import default_uri
+    from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
     presets = {arm: str(Path(args.preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
@@ -127,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
             return rc
 
     say(f"[4/4] compare  [{elapsed(t0)} so far]")
-    from pipeline.compare import compare
+    from pipeline.compare import compare_arms
 
-    uri = default_uri(cfg)
-    result = compare(cfg.experiment, uri, Path(cfg.run.output_dir) / "compare" / cfg.experiment)
+    uri = run_uri(cfg)
+    result = compare_arms(cfg.experiment, uri, Path(cfg.run.output_dir) / "compare" / cfg.experiment)
     print(result["table"])
     for p in result["paths"]:
         print(f"  {p}")

@@ -64,6 +64,7 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
 
     from pipeline import compat
     from pipeline.model import build_model
+    from pipeline.tracking.journal import journal_run_id
 
     tag_dir = resolve_tag_dir(path)
     # Place the model where this machine can run it; build_model reads train.device (and train.precision,
@@ -90,17 +91,9 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
     client_state = _plain_copy({k: v for k, v in state.items() if k != "module"})
     prism_state = client_state.get("prism") or {}
     step = prism_state.get("step", client_state.get("global_steps"))
-    run_id = client_state.get("run_id") or _journal_run_id(cfg)
+    run_id = client_state.get("run_id") or journal_run_id(cfg.checkpoint_dir)
     info = CheckpointInfo(tag_dir, int(step) if step is not None else None, run_id, client_state)
     return cfg, model, info
-
-
-def _journal_run_id(cfg: Config) -> str | None:
-    """Run id from the tracking journal beside the checkpoints (a run that started while MLflow was down
-    gets its id there once a delivery succeeds, after the checkpoint was written)."""
-    from pipeline.mlflow_tracking import Journal
-
-    return Journal(cfg.checkpoint_dir).state().get("run_id")
 
 
 def _plain_copy(value: Any) -> Any:
@@ -133,10 +126,3 @@ def load_tokenizer(cfg: Config):
     if eos is None:
         raise ConfigError(f"data.eos_token={cfg.data.eos_token!r} is not in {path}; set data.eos_token")
     return tok, eos
-
-
-def tracking_uri(cfg: Config) -> str:
-    """Where the run logged (the trainer's rule: tracking.uri, else the output folder's SQLite store)."""
-    from pipeline.mlflow_tracking import default_uri
-
-    return default_uri(cfg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,21 +14,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_sync)
 
 
-def journal_folder(run_dir: str | Path) -> Path:
-    from pipeline.mlflow_tracking import JOURNAL
-
-    run_dir = Path(run_dir)
-    for folder in (run_dir, run_dir / "checkpoints"):
-        if (folder / JOURNAL).is_file():
-            return folder
-    return run_dir
-
-
 def _sync(args: argparse.Namespace) -> int:
-    from pipeline.mlflow_tracking import Journal, sync
+    from pipeline.tracking.journal import JOURNAL, Journal, journal_folder, sync
 
     folder = journal_folder(args.run_dir)
-    before = len(Journal(folder).pending()) if (folder / "tracking.jsonl").is_file() else 0
+    before = len(Journal(folder).pending()) if (folder / JOURNAL).is_file() else 0
     try:
         sent, uri, run_id = sync(folder, args.tracking_uri)
     except Exception as e:

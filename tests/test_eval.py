@@ -135,7 +135,7 @@ def test_prism_eval_offline_scores_near_chance_and_logs_to_the_run(tiny_checkpoi
 
     from pipeline.cli import main
     from pipeline.eval.harness import PAPER_TASKS
-    from pipeline.mlflow_tracking import Journal
+    from pipeline.tracking.journal import Journal
 
     out = tmp_path / "eval.json"
     args = ["eval", str(tiny_checkpoints.prism), "--limit", "20", "--batch-size", "8", "--out", str(out)]

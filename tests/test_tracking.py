@@ -14,7 +14,9 @@ from pipeline import config, schedule
 from pipeline.cli import main
 from pipeline.compare import latest_per_step
 from pipeline.config import ConfigError, flatten
-from pipeline.mlflow_tracking import Journal, MlflowTracker, milestone_key, sync
+from pipeline.tracking import store
+from pipeline.tracking.journal import Journal, sync
+from pipeline.tracking.mlflow_run import MlflowTracker, milestone_key
 
 
 def tiny_cfg(tmp_path, arm="prism", overrides=()):
@@ -34,6 +36,63 @@ def log_steps(tracker, steps, losses, batch_tokens):
             {"train/loss": loss + 0.1, "tokens_seen": step * batch_tokens, "tokens_per_sec": 1000.0 + step}, step
         )
         tracker.log_metrics({"val/loss": loss}, step)
+
+
+def test_tracking_uri_resolution(tmp_path, monkeypatch):
+    cfg, cfg_stores = tiny_cfg(tmp_path / "study"), tiny_cfg(tmp_path, overrides=["tracking.uri=stores"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stores").mkdir()
+    resolve = store.resolve_uri
+    # null: the output folder's SQLite store, absolute whatever the cwd was
+    assert resolve(None, "runs") == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    assert resolve("", tmp_path / "out") == f"sqlite:///{tmp_path}/out/mlflow.db"
+    # a path: that SQLite file, or mlflow.db inside an existing folder
+    assert resolve("stores/a.db", "runs") == f"sqlite:///{tmp_path}/stores/a.db"
+    assert resolve(str(tmp_path / "b.db"), "runs") == f"sqlite:///{tmp_path}/b.db"
+    assert resolve("stores", "runs") == f"sqlite:///{tmp_path}/stores/mlflow.db"
+    # an explicit sqlite URI: relative paths made absolute (four slashes), absolute ones kept
+    assert resolve("sqlite:///stores/c.db", "runs") == f"sqlite:///{tmp_path}/stores/c.db"
+    assert resolve(f"sqlite:///{tmp_path}/d.db", "runs") == f"sqlite:///{tmp_path}/d.db"
+    # a server (or any other scheme): as given
+    assert resolve("http://127.0.0.1:5000", "runs") == "http://127.0.0.1:5000"
+    assert resolve("https://mlflow.example:443/", "runs") == "https://mlflow.example:443/"
+    assert resolve("file:///tmp/mlruns", "runs") == "file:///tmp/mlruns"
+    # the trainer's rule is the same function, on the config
+    assert store.run_uri(cfg) == f"sqlite:///{tmp_path}/study/mlflow.db"
+    assert store.run_uri(cfg_stores) == f"sqlite:///{tmp_path}/stores/mlflow.db"
+    # an SQLite store that is not there is reported, not created; a server is taken on trust
+    assert store.sqlite_file(resolve("stores/a.db", "runs")) == tmp_path / "stores" / "a.db"
+    assert store.sqlite_file("http://h:1") is None
+    assert not store.store_exists(resolve("stores/a.db", "runs")) and store.store_exists("http://h:1")
+    (tmp_path / "stores" / "a.db").touch()
+    assert store.store_exists(resolve("stores/a.db", "runs"))
+
+
+def test_eval_and_analysis_log_to_an_existing_run_through_log_to_run(tmp_path):
+    from pipeline.analysis import runner
+    from pipeline.eval import harness
+
+    assert harness.log_to_run is store.log_to_run and runner.log_to_run is store.log_to_run
+
+    cfg = tiny_cfg(tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment(cfg.experiment, artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    got = store.log_to_run(cfg, run_id, {"eval/piqa/acc": 0.5, "eval/piqa/acc_norm": 0.25}, 7, [("eval", report)])
+    assert got == {"logged": True, "uri": store.run_uri(cfg), "run_id": run_id}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/piqa/acc")] == [(7, 0.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/piqa/acc_norm")] == [(7, 0.25)]
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/report.json"]
+
+    # A failure is reported, never raised; no run id or tracking off: nothing is tried.
+    missing = store.log_to_run(cfg, "0" * 32, {"x": 1.0}, 1, [])
+    assert missing["logged"] is False and missing["run_id"] == "0" * 32 and missing["reason"]
+    assert store.log_to_run(cfg, None, {"x": 1.0}, 1, [])["logged"] is False
+    off = tiny_cfg(tmp_path, overrides=["tracking.enabled=false"])
+    assert store.log_to_run(off, run_id, {"x": 1.0}, 1, [])["logged"] is False
+    assert [m.value for m in client.get_metric_history(run_id, "x")] == []
 
 
 def test_tracker_logs_params_tags_artifacts_milestones_and_resumes_same_run(tmp_path):

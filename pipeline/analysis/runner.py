@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.analysis import report
 from pipeline.analysis.attention import count_sequences, delta_rows, iter_sequences, measure
 from pipeline.config import ConfigError
+from pipeline.tracking.store import log_to_run
 
 
 def measure_checkpoint(
@@ -100,8 +101,6 @@ def run(
     device: str = "auto",
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    from pipeline.eval.harness import log_to_mlflow
-
     if sequences < 1:
         raise ConfigError(f"--sequences {sequences} must be >= 1")
     out_dir = Path(out) if out else None
@@ -115,5 +114,5 @@ def run(
         delta_files = delta["files"]
     for r in main + other:  # each run gets its own D_l files, and the comparison when there is one
         files = [("attention_distance", f) for f in r["files"] + delta_files]
-        r["mlflow"] = log_to_mlflow(r["cfg"], r["info"].run_id, {}, r["info"].step, files)
+        r["mlflow"] = log_to_run(r["cfg"], r["info"].run_id, {}, r["info"].step, files)
     return result

@@ -15,14 +15,13 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.tracking.store import log_to_run
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 PAPER_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy")
 METRICS = ("acc", "acc_norm")
 # Published numbers for these tasks use another split than the one scored offline.
 PUBLISHED_SPLIT = {"arc_easy": "test"}
-
-log = logging.getLogger(__name__)
 
 
 class _DropNoise(logging.Filter):
@@ -103,41 +102,6 @@ def write_json(data: dict[str, Any], path: Path) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def log_to_mlflow(
-    cfg: Any, run_id: str | None, metrics: dict[str, float], step: int | None, artifacts: list[tuple[str, Path]]
-) -> dict[str, Any]:
-    """Log metrics and (artifact folder, file) pairs to the checkpoint's run; returns what happened.
-
-    Never raises: the files on disk are the record, and a tracking outage must not lose them."""
-    from pipeline.inference import tracking_uri
-
-    if not cfg.tracking.enabled:
-        return {"logged": False, "reason": "tracking.enabled is false in the checkpoint's config"}
-    if run_id is None:
-        return {"logged": False, "reason": "the checkpoint stores no tracking run id"}
-    uri = tracking_uri(cfg)
-    try:
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
-        now = int(time.time() * 1000)
-        batch = [Metric(key, float(value), now, step or 0) for key, value in metrics.items()]
-        for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 entries per batch
-            client.log_batch(run_id, metrics=batch[i : i + 1000])
-        for artifact_dir, file in artifacts:
-            client.log_artifact(run_id, str(file), artifact_path=artifact_dir)
-    except Exception as e:  # noqa: BLE001 (any tracking failure is reported, not raised)
-        log.warning("MLflow logging to %s failed: %s", uri, e)
-        return {
-            "logged": False,
-            "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            "uri": uri,
-            "run_id": run_id,
-        }
-    return {"logged": True, "uri": uri, "run_id": run_id}
-
-
 def run(
     checkpoint: str | Path,
     tasks: list[str],
@@ -173,7 +137,7 @@ def run(
     path = Path(out) if out else cfg.run_dir / "eval" / f"{info.tag_dir.name}-zeroshot.json"
     write_json(report, path)
     metrics = {f"eval/{task}/{m}": s[m] for task, s in scores.items() for m in METRICS if m in s}
-    report["mlflow"] = log_to_mlflow(cfg, info.run_id, metrics, info.step, [("eval", path)])
+    report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, [("eval", path)])
     write_json(report, path)
     report["json"] = str(path)
     return report

@@ -1,16 +1,9 @@
-"""MLflow tracking for one training run, with a local journal so an outage loses nothing.
+"""MlflowTracker: the Tracker for global rank 0, writing every call to the run's journal before sending it.
 
-Every call is first appended to ``<checkpoint_dir>/tracking.jsonl`` (append-only, one JSON record per line,
-with the wall-clock timestamp MLflow will store) and then delivered. When delivery fails (server down,
-HTTP error, locked database) training goes on; the records stay pending and are replayed in order the next
-time a delivery succeeds, or by ``prism tracking sync RUN_DIR``. A replay sends the same keys, steps, values
-and timestamps, and MLflow's SQL store drops a metric whose (key, step, timestamp, value) it already holds,
-so a record delivered twice is stored once. ``tracking-state.json`` (replaced atomically) holds the run id
-and how many journal records have been delivered.
-
-Tracking URI: ``tracking.uri`` or, when null, ``sqlite:///<run.output_dir>/mlflow.db`` — one store per
-output folder, so both arms of a study (and every seed) land side by side and `prism compare` reads them
-together. Use ``http://host:port`` (ops/mlflow_server.sh) when several jobs log at once.
+Training never waits on MLflow for long and never dies of it: a failed delivery leaves the records pending
+in the journal (pipeline/tracking/journal.py) and they go out, in order, with the next delivery that
+succeeds. Also here: what a training run logs (params, tags, the config and schedule artifacts) and the
+val-loss milestones (first step and token count at which val/loss <= x), which survive a resume.
 """
 
 from __future__ import annotations
@@ -27,18 +20,12 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten
+from pipeline.tracking import store
+from pipeline.tracking.journal import Delivery, Journal
 
-JOURNAL = "tracking.jsonl"
-STATE = "tracking-state.json"
-PARAMS_PER_BATCH = 100  # MLflow takes <= 100 params (and <= 1000 entries) per log_batch
-METRICS_PER_BATCH = 500
 RETRY_AFTER_S = 60.0  # while offline, try the server again at most this often (keeps steps fast)
 
 log = logging.getLogger("prism.tracking")
-
-
-def default_uri(cfg: Config) -> str:
-    return cfg.tracking.uri or f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
 
 
 def milestone_key(threshold: float, what: str) -> str:
@@ -89,152 +76,12 @@ def run_tags(cfg: Config) -> dict[str, str]:
     return tags
 
 
-class Journal:
-    """The append-only record of everything sent to MLflow, plus what has been delivered."""
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.path = self.folder / JOURNAL
-        self.state_path = self.folder / STATE
-        self._records: list[dict[str, Any]] | None = None  # this process's view; only it appends
-
-    def state(self) -> dict[str, Any]:
-        if self.state_path.is_file():
-            return json.loads(self.state_path.read_text())
-        return {"run_id": None, "delivered": 0}
-
-    def save_state(self, **changes: Any) -> None:
-        state = {**self.state(), **changes}
-        write_atomic(self.state_path, json.dumps(state, indent=1))
-
-    def append(self, record: dict[str, Any]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        records = self.records()
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-        records.append(record)
-
-    def records(self) -> list[dict[str, Any]]:
-        if self._records is None:
-            self._records = self._read()
-        return self._records
-
-    def _read(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        text = self.path.read_text()
-        if text and not text.endswith("\n"):  # a write cut short by a kill: end that line before appending
-            with self.path.open("a") as f:
-                f.write("\n")
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # the cut-short line itself: skipped, the rest is whole
-                continue
-        return out
-
-    def pending(self) -> list[dict[str, Any]]:
-        return self.records()[self.state()["delivered"] :]
-
-
-class Delivery:
-    """Sends journal records to one MLflow store; shared by the tracker and `prism tracking sync`."""
-
-    def __init__(self, uri: str, experiment: str, journal: Journal):
-        from mlflow.tracking import MlflowClient
-
-        self.uri, self.experiment, self.journal = uri, experiment, journal
-        self.client = MlflowClient(tracking_uri=uri)
-
-    def experiment_id(self) -> str:
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is not None:
-            return exp.experiment_id
-        location = None
-        if self.uri.startswith("sqlite:///"):  # artifacts beside the database, not in ./mlruns of the cwd
-            location = (Path(self.uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
-        try:
-            return self.client.create_experiment(self.experiment, artifact_location=location)
-        except Exception:  # another job created it between our two calls
-            exp = self.client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                raise
-            return exp.experiment_id
-
-    def ensure_run(self, run_name: str, tags: dict[str, str]) -> str:
-        run_id = self.journal.state()["run_id"]
-        if run_id is None:
-            run = self.client.create_run(self.experiment_id(), run_name=run_name, tags=tags)
-            run_id = run.info.run_id
-            self.journal.save_state(run_id=run_id)
-        return run_id
-
-    def flush(self) -> int:
-        """Deliver every pending record in order; raises on the first failure (state keeps the rest)."""
-        from mlflow.entities import Metric, Param, RunTag
-
-        records = self.journal.records()
-        done = self.journal.state()["delivered"]
-        sent = 0
-        while done < len(records):
-            rec = records[done]
-            op = rec["op"]
-            if op == "start":
-                run_id = self.ensure_run(rec["run_name"], rec["tags"])
-                run = self.client.get_run(run_id)
-                if run.info.status != "RUNNING":
-                    self.client.update_run(run_id, status="RUNNING")
-                have = run.data.params
-                params = [Param(k, v) for k, v in rec["params"].items() if k not in have]
-                changed = sorted(k for k, v in rec["params"].items() if k in have and have[k] != v)
-                for i in range(0, len(params), PARAMS_PER_BATCH):
-                    self.client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH])
-                tags = dict(rec["tags"])
-                if changed:  # params are immutable in MLflow; say what a resume changed instead
-                    tags["params_changed_on_resume"] = ",".join(changed)
-                self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-                n = 1
-            else:
-                run_id = self.journal.state()["run_id"]
-                if run_id is None:
-                    raise RuntimeError("journal has records before its start record")
-                if op == "metrics":
-                    # Consecutive metric records go out together (<= METRICS_PER_BATCH entries).
-                    batch: list[Metric] = []
-                    n = 0
-                    while done + n < len(records) and records[done + n]["op"] == "metrics":
-                        r = records[done + n]
-                        entries = [Metric(k, float(v), r["time"], r["step"]) for k, v in r["metrics"].items()]
-                        if batch and len(batch) + len(entries) > METRICS_PER_BATCH:
-                            break
-                        batch += entries
-                        n += 1
-                    self.client.log_batch(run_id, metrics=batch)
-                elif op == "tags":
-                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in rec["tags"].items()])
-                    n = 1
-                elif op == "artifact":
-                    self.client.log_artifact(run_id, str(self.journal.folder / rec["file"]), rec["dir"] or None)
-                    n = 1
-                elif op == "finish":
-                    self.client.set_terminated(run_id, status=rec["status"], end_time=rec["time"])
-                    n = 1
-                else:
-                    raise RuntimeError(f"unknown journal op {op!r} in {self.journal.path}")
-            done += n
-            sent += n
-            self.journal.save_state(delivered=done)
-        return sent
-
-
 class MlflowTracker:
-    """The Tracker of pipeline/tracking.py on MLflow, for global rank 0."""
+    """The Tracker protocol on MLflow, for global rank 0."""
 
     def __init__(self, cfg: Config, journal_dir: str | Path | None = None):
         self.cfg = cfg
-        self.uri = default_uri(cfg)
+        self.uri = store.run_uri(cfg)
         self.journal = Journal(journal_dir or cfg.checkpoint_dir)
         self.run_id: str | None = None
         self.online = True
@@ -244,11 +91,6 @@ class MlflowTracker:
         self.milestones = sorted({float(x) for x in cfg.tracking.milestones}, reverse=True)
         self.reached: dict[float, dict[str, int]] = {}
         self.tokens_seen = 0
-        if self.uri.startswith(("http://", "https://")):
-            # A dead server must cost seconds, not MLflow's default minutes of retries, per attempt.
-            # A refused connection fails at once; a busy server (one worker, many jobs) gets 15 s.
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         self.delivery = Delivery(self.uri, cfg.experiment, self.journal)
 
     # --- the interface ---------------------------------------------------------------------------
@@ -394,21 +236,3 @@ def _param_value(v: Any) -> str:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def sync(folder: str | Path, uri: str | None = None) -> tuple[int, str, str]:
-    """Replay what a run's journal has not delivered yet. Returns (records sent, uri, run id)."""
-    from pipeline.config import ConfigError
-
-    journal = Journal(folder)
-    if not journal.path.is_file():
-        raise ConfigError(f"{folder}: no {JOURNAL} here; pass the run's checkpoint folder (or its run folder)")
-    state = journal.state()
-    uri = uri or state.get("uri")
-    if not uri or not state.get("experiment"):
-        raise ConfigError(f"{journal.state_path}: no tracking uri recorded; pass --tracking-uri URI")
-    if uri.startswith(("http://", "https://")):
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    sent = Delivery(uri, state["experiment"], journal).flush()
-    return sent, uri, journal.state()["run_id"]

@@ -1,7 +1,9 @@
-"""The tracking interface the training loop calls. Global rank 0 gets a real tracker, others a no-op.
+"""Tracking: the interface the training loop calls, and everything that talks to MLflow behind it.
 
-The loop only ever calls these methods; MLflow (pipeline/mlflow_tracking.py) implements them, and the
-JSONL file next to the checkpoints is always written so nothing is lost when a server is down.
+Global rank 0 gets a real tracker, other ranks a no-op; the loop only calls the Tracker methods and never
+imports mlflow. Modules: ``store`` (the tracking-URI rule, the MLflow client, logging to an existing run),
+``journal`` (the offline journal, its replay and `prism tracking sync`), ``mlflow_run`` (MlflowTracker:
+what a training run logs, milestones, resume into the same run).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def make_tracker(cfg: Config, global_rank: int) -> Any:
     if global_rank != 0:
         return NullTracker()
     if cfg.tracking.enabled:
-        from pipeline.mlflow_tracking import MlflowTracker
+        from pipeline.tracking.mlflow_run import MlflowTracker
 
         return MlflowTracker(cfg)
     return JsonlTracker(cfg.checkpoint_dir / "metrics.jsonl")
