@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from data_prep.corpus import build_embedded_corpus, train_bpe_tokenizer
-from data_prep.manifest import STATE, WriteManifest, data_hash, first_difference, read_json, write_manifest
+from data_prep.manifest import PREP, STATE, WriteManifest, data_hash, first_difference, read_json, write_manifest
 from data_prep.tokenize_to_shards import TokenizeToShards
 from pipeline.atomic import write_atomic
 from pipeline.config import Config
@@ -281,11 +281,11 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
         if not quiet:
             print(f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do")
         return out / MANIFEST
-    (out / ".prep").mkdir(parents=True, exist_ok=True)
+    (out / PREP).mkdir(parents=True, exist_ok=True)
     if status == "fresh":
         state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
         write_atomic(out / STATE, _json(state))
-    logs_dir = (out / ".prep" / "logs").resolve()
+    logs_dir = (out / PREP / "logs").resolve()
     executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident), logs_dir)
     start = time.perf_counter()
     if d.executor == "slurm":

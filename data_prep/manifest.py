@@ -19,12 +19,13 @@ from datatrove.pipeline.base import PipelineStep
 from pipeline.atomic import write_atomic
 from pipeline.dataset import FORMAT_VERSION, MANIFEST, SHARD_GLOB, SPLITS, DataError, read_manifest, read_shard
 
-STATE = ".prep/state.json"
+PREP = ".prep"  # build state; readers never look inside
+STATE = f"{PREP}/state.json"
 
 
 def rank_record(dataset_dir: Path, rank: int) -> Path:
     """Where a finished task leaves its shard list and counts."""
-    return dataset_dir / ".prep" / "ranks" / f"{rank:05d}.json"
+    return dataset_dir / PREP / "ranks" / f"{rank:05d}.json"
 
 
 def data_hash(identity: dict[str, Any]) -> str:
@@ -93,7 +94,7 @@ def write_manifest(dataset_dir: Path) -> Path:
         "sequences_per_sample": ident["data.sequences_per_sample"],
         "splits": splits,
         "totals": totals,
-        "datatrove_stats": _datatrove_stats(dataset_dir / ".prep" / "logs", tasks),
+        "datatrove_stats": _datatrove_stats(dataset_dir / PREP / "logs", tasks),
         "tasks": tasks,
         "config_hash": data_hash(ident),
         "config": ident,
