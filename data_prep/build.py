@@ -10,7 +10,6 @@ with the same ``tasks`` (datatrove's completions are per rank).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -20,18 +19,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from data_prep.corpus import build_embedded_corpus, train_bpe_tokenizer
-from data_prep.manifest import (
-    MANIFEST,
-    STATE,
-    DatasetError,
-    data_hash,
-    first_difference,
-    read_json,
-    write_manifest,
-)
-from data_prep.steps import TokenizeToShards, WriteManifest
+from data_prep.manifest import PREP, STATE, WriteManifest, data_hash, first_difference, read_json, write_manifest
+from data_prep.tokenize_to_shards import TokenizeToShards
 from pipeline.atomic import write_atomic
 from pipeline.config import Config
+from pipeline.dataset import MANIFEST, DataError, dtype_for_vocab, sha256_file
 
 EMBEDDED_CORPUS_BYTES = 8_000_000  # ~2M tokens: enough for the tiny presets, built in ~20 s
 EMBEDDED_CORPUS_FILES = 8
@@ -50,10 +42,10 @@ def check_input(cfg: Config) -> None:
         return  # listed by the reader inside the tasks; no network probe here
     root = Path(d.input.removeprefix("file://"))
     if not root.exists():
-        raise DatasetError(f"data.input={d.input}: path not found; point it at a folder of {d.input_format} files")
+        raise DataError(f"data.input={d.input}: path not found; point it at a folder of {d.input_format} files")
     files = sorted(root.glob(INPUT_GLOBS[d.input_format])) if root.is_dir() else [root]
     if not files:
-        raise DatasetError(
+        raise DataError(
             f"data.input={d.input}: no {d.input_format} files in it; add some or fix data.input / data.input_format"
         )
     if d.input_format in ("parquet", "embedded"):
@@ -63,9 +55,9 @@ def check_input(cfg: Config) -> None:
             try:
                 names = pq.read_schema(f).names
             except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-                raise DatasetError(f"{f}: not a readable parquet file ({e})") from None
+                raise DataError(f"{f}: not a readable parquet file ({e})") from None
             if d.text_key not in names:
-                raise DatasetError(
+                raise DataError(
                     f"{f}: no column {d.text_key!r} (columns: {', '.join(names)}); set data.text_key to the text column"
                 )
 
@@ -87,7 +79,7 @@ def resolve_tokenizer(cfg: Config) -> str:
     if Path(name).is_file():
         return name
     if name.endswith(".json") or os.sep in name and not _looks_like_hub_repo(name):
-        raise DatasetError(f"data.tokenizer={name}: tokenizer file not found; pass the path of a tokenizer.json")
+        raise DataError(f"data.tokenizer={name}: tokenizer file not found; pass the path of a tokenizer.json")
     from huggingface_hub import hf_hub_download
 
     try:
@@ -95,14 +87,14 @@ def resolve_tokenizer(cfg: Config) -> str:
     except Exception:  # noqa: BLE001 - not cached: try the Hub below
         pass
     if not _hub_reachable():
-        raise DatasetError(
+        raise DataError(
             f"data.tokenizer={name}: a Hub name, and the Hub is unreachable (offline); pass a local tokenizer.json "
             "path, e.g. data.tokenizer=runs/data/embedded-bpe8k.json"
         )
     try:
         return hf_hub_download(name, "tokenizer.json")
     except Exception as e:  # noqa: BLE001
-        raise DatasetError(
+        raise DataError(
             f"data.tokenizer={name}: no tokenizer.json on the Hub ({type(e).__name__}); pass a local tokenizer.json path"
         ) from None
 
@@ -117,18 +109,17 @@ def tokenizer_info(path: str, eos_token: str, vocab_limit: int) -> dict[str, Any
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # noqa: BLE001
-        raise DatasetError(f"{path}: not a tokenizers tokenizer.json ({e}); pass a valid file") from None
+        raise DataError(f"{path}: not a tokenizers tokenizer.json ({e}); pass a valid file") from None
     eos_id = tok.token_to_id(eos_token)
     if eos_id is None:
-        raise DatasetError(f"data.eos_token={eos_token!r} is not in the tokenizer {path}; set data.eos_token")
+        raise DataError(f"data.eos_token={eos_token!r} is not in the tokenizer {path}; set data.eos_token")
     vocab = tok.get_vocab_size()
     if vocab > vocab_limit:
-        raise DatasetError(
+        raise DataError(
             f"model.vocab_size={vocab_limit} is smaller than the tokenizer's vocabulary ({vocab}); set "
             f"model.vocab_size={vocab}"
         )
-    sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return {"name_or_path": path, "vocab_size": vocab, "eos_id": eos_id, "sha256": sha}
+    return {"name_or_path": path, "vocab_size": vocab, "eos_id": eos_id, "sha256": sha256_file(path)}
 
 
 def data_identity(cfg: Config, tok: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +139,7 @@ def data_identity(cfg: Config, tok: dict[str, Any]) -> dict[str, Any]:
         "data.sequences_per_sample": d.sequences_per_sample,
         "data.samples_per_shard": d.samples_per_shard,
         "data.val_samples_per_shard": d.val_samples_per_shard,
-        "dtype": "uint16" if tok["vocab_size"] <= 2**16 else "uint32",
+        "dtype": dtype_for_vocab(tok["vocab_size"]),
     }
 
 
@@ -161,29 +152,27 @@ def check_output(out: Path, ident: dict[str, Any], tasks: int, overwrite: bool) 
     manifest, state = out / MANIFEST, out / STATE
     if overwrite:
         if not manifest.exists() and not state.exists() and not (out / "train").exists():
-            raise DatasetError(
-                f"{out}: holds files that are not a Prism dataset; refusing to delete it with --overwrite"
-            )
+            raise DataError(f"{out}: holds files that are not a Prism dataset; refusing to delete it with --overwrite")
         shutil.rmtree(out)
         return "fresh"
     if manifest.exists():
         old = read_json(manifest).get("config", {})
         if (diff := first_difference(old, ident)) is None:
             return "done"
-        raise DatasetError(f"{out}: holds a dataset made with another data config, first differing key {diff}; {hint}")
+        raise DataError(f"{out}: holds a dataset made with another data config, first differing key {diff}; {hint}")
     if state.exists():
         old_state = read_json(state)
         if (diff := first_difference(old_state["identity"], ident)) is not None:
-            raise DatasetError(
+            raise DataError(
                 f"{out}: holds an unfinished build of another data config, first differing key {diff}; {hint}"
             )
         if old_state["tasks"] != tasks:
-            raise DatasetError(
+            raise DataError(
                 f"{out}: an unfinished build with data.tasks={old_state['tasks']}, now data.tasks={tasks} (tasks fix "
                 f"the shard layout); resume with data.tasks={old_state['tasks']}, or pass --overwrite"
             )
         return "resume"
-    raise DatasetError(f"{out}: exists and holds files that are not a Prism dataset; {hint}")
+    raise DataError(f"{out}: exists and holds files that are not a Prism dataset; {hint}")
 
 
 # --- executor ---------------------------------------------------------------------------------------------
@@ -222,7 +211,7 @@ def build_executor(cfg: Config, pipeline: list, logs_dir: Path):
 
     s = d.slurm
     if not s.partition:
-        raise DatasetError("data.executor=slurm needs data.slurm.partition; set it, e.g. data.slurm.partition=cpu")
+        raise DataError("data.executor=slurm needs data.slurm.partition; set it, e.g. data.slurm.partition=cpu")
     import sys
 
     return SlurmPipelineExecutor(
@@ -282,7 +271,7 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
     """
     d = cfg.data
     if d.val_samples_per_shard < 1 or d.tasks < 1:
-        raise DatasetError("data.val_samples_per_shard and data.tasks must be >= 1")
+        raise DataError("data.val_samples_per_shard and data.tasks must be >= 1")
     tokenizer_path = prepare_inputs(cfg)
     tok = tokenizer_info(tokenizer_path, d.eos_token, cfg.model.vocab_size)
     ident = data_identity(cfg, tok)
@@ -292,11 +281,11 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
         if not quiet:
             print(f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do")
         return out / MANIFEST
-    (out / ".prep").mkdir(parents=True, exist_ok=True)
+    (out / PREP).mkdir(parents=True, exist_ok=True)
     if status == "fresh":
         state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
         write_atomic(out / STATE, _json(state))
-    logs_dir = (out / ".prep" / "logs").resolve()
+    logs_dir = (out / PREP / "logs").resolve()
     executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident), logs_dir)
     start = time.perf_counter()
     if d.executor == "slurm":

@@ -25,13 +25,14 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         if args.config:
             raise ConfigError("--verify DIR takes no CONFIG; run it alone: prism prepare --verify DIR")
-        from data_prep.manifest import DatasetError, verify
+        from data_prep.manifest import verify
+        from pipeline.dataset import DataError
 
         problems = verify(args.verify)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         if problems:
-            raise DatasetError(
+            raise DataError(
                 f"{args.verify}: manifest does not match its shards ({len(problems)} problems, listed above); "
                 "rebuild with prism prepare CONFIG --overwrite"
             )

@@ -1,33 +1,31 @@
-"""manifest.json: assembled from the per-rank records once every task finished; verified by re-hashing.
+"""manifest.json: assembled from the per-rank records once every task finished; verified by re-reading.
 
-The folder's state lives in ``<dataset_dir>/.prep/``: ``state.json`` (the data identity and task count, written
-before any task starts), ``ranks/RRRRR.json`` (one per finished task) and datatrove's ``logs/`` (completions,
-stats, per-task logs). manifest.json is written last, via temp + rename, and holds nothing time-dependent, so a
-killed-and-resumed build yields the same bytes as a clean one.
+The folder's build state lives in ``<dataset_dir>/.prep/``: ``state.json`` (the data identity and task count,
+written before any task starts), ``ranks/RRRRR.json`` (one per finished task) and datatrove's ``logs/``
+(completions, stats, per-task logs). manifest.json is written last, via temp + rename, and holds nothing
+time-dependent, so a killed-and-resumed build yields the same bytes as a clean one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import tarfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
 
-from data_prep.steps import SPLITS
 from pipeline.atomic import write_atomic
-from pipeline.config import ConfigError
+from pipeline.dataset import FORMAT_VERSION, MANIFEST, SHARD_GLOB, SPLITS, DataError, read_manifest, read_shard
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-STATE = ".prep/state.json"
+PREP = ".prep"  # build state; readers never look inside
+STATE = f"{PREP}/state.json"
 
 
-class DatasetError(ConfigError):
-    """A dataset folder that cannot be used as asked (one line: what and how to fix it)."""
+def rank_record(dataset_dir: Path, rank: int) -> Path:
+    """Where a finished task leaves its shard list and counts."""
+    return dataset_dir / PREP / "ranks" / f"{rank:05d}.json"
 
 
 def data_hash(identity: dict[str, Any]) -> str:
@@ -45,7 +43,7 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise DatasetError(f"{path}: unreadable ({e}); rebuild with prism prepare --overwrite") from None
+        raise DataError(f"{path}: unreadable ({e}); rebuild with prism prepare --overwrite") from None
 
 
 def _datatrove_stats(logs_dir: Path, tasks: int) -> list[dict[str, Any]]:
@@ -68,11 +66,9 @@ def write_manifest(dataset_dir: Path) -> Path:
     tasks = state["tasks"]
     records = []
     for rank in range(tasks):
-        path = dataset_dir / ".prep" / "ranks" / f"{rank:05d}.json"
+        path = rank_record(dataset_dir, rank)
         if not path.is_file():
-            raise DatasetError(
-                f"{dataset_dir}: task {rank} of {tasks} has not finished; rerun prism prepare to resume it"
-            )
+            raise DataError(f"{dataset_dir}: task {rank} of {tasks} has not finished; rerun prism prepare to resume it")
         records.append(read_json(path))
     ident = state["identity"]
     per_shard = {"train": ident["data.samples_per_shard"], "val": ident["data.val_samples_per_shard"]}
@@ -98,7 +94,7 @@ def write_manifest(dataset_dir: Path) -> Path:
         "sequences_per_sample": ident["data.sequences_per_sample"],
         "splits": splits,
         "totals": totals,
-        "datatrove_stats": _datatrove_stats(dataset_dir / ".prep" / "logs", tasks),
+        "datatrove_stats": _datatrove_stats(dataset_dir / PREP / "logs", tasks),
         "tasks": tasks,
         "config_hash": data_hash(ident),
         "config": ident,
@@ -110,44 +106,33 @@ def write_manifest(dataset_dir: Path) -> Path:
 
 
 def verify(dataset_dir: str | Path) -> list[str]:
-    """Re-hash every shard and check its members against the manifest; returns the problems found."""
+    """Re-read every shard the way the loader does (hash, members, counts); returns the problems found."""
     root = Path(dataset_dir)
-    if not (root / MANIFEST).is_file():
-        raise DatasetError(f"{root}: no {MANIFEST}; build the dataset with prism prepare CONFIG first")
-    m = read_json(root / MANIFEST)
+    manifest = read_manifest(root)
     problems: list[str] = []
-    itemsize = np.dtype(m["dtype"]).itemsize
-    member_bytes = m["sequences_per_sample"] * (m["seq_len"] + 1) * itemsize
-    listed = set()
     for split in SPLITS:
-        per_shard = m["splits"][split]["samples_per_shard"]
-        for shard in m["splits"][split]["shards"]:
-            listed.add(shard["path"])
-            path = root / shard["path"]
-            if not path.is_file():
-                problems.append(f"{shard['path']}: missing")
-                continue
-            data = path.read_bytes()
-            if hashlib.sha256(data).hexdigest() != shard["sha256"]:
-                problems.append(f"{shard['path']}: sha256 differs from the manifest")
+        listed = {shard["path"] for shard in manifest["splits"][split]["shards"]}
+        for entry in manifest["splits"][split]["shards"]:
             try:
-                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                    members = tar.getmembers()
-            except tarfile.TarError as e:
-                problems.append(f"{shard['path']}: not a readable tar ({e})")
-                continue
-            bad = [t.name for t in members if t.size != member_bytes or not t.name.endswith(".tokens")]
-            if bad:
-                problems.append(f"{shard['path']}: member {bad[0]} is not {member_bytes} bytes of tokens")
-            if len(members) != shard["samples"] or shard["samples"] != per_shard:
-                problems.append(
-                    f"{shard['path']}: {len(members)} samples, manifest says {shard['samples']} "
-                    f"(samples_per_shard {per_shard})"
-                )
-        extra = sorted(
-            p.relative_to(root).as_posix()
-            for p in (root / split).glob("shard-*.tar")
-            if p.relative_to(root).as_posix() not in listed
-        )
-        problems += [f"{p}: shard file not listed in the manifest" for p in extra]
+                read_shard(root, manifest, split, entry)
+            except DataError as e:
+                problems.append(str(e))
+        extra = sorted(p.relative_to(root).as_posix() for p in (root / split).glob(SHARD_GLOB))
+        problems += [f"{p}: shard file not listed in the manifest" for p in extra if p not in listed]
     return problems
+
+
+class WriteManifest(PipelineStep):
+    """One-task step run after all shard tasks (a dependent Slurm job): assembles manifest.json."""
+
+    name = "📜 Write manifest"
+    type = "✍️ - WRITER"
+
+    def __init__(self, dataset_dir: str):
+        super().__init__()
+        self.dataset_dir = str(dataset_dir)
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        write_manifest(Path(self.dataset_dir))
+        return
+        yield  # a generator, like every datatrove step; it passes nothing on

@@ -1,4 +1,4 @@
-"""The data-parallel shard loader over a data-prep manifest (see the dataset contract in ARCHITECTURE.md).
+"""The data-parallel shard loader over a prepared dataset (the format pipeline/dataset.py defines).
 
 Order is a pure function of (seed, epoch, DP rank, DP size), so a run resumes exactly from a saved position:
 - each epoch the split's shard list is shuffled with a seeded RNG (the same on every rank), DP rank r takes
@@ -8,19 +8,15 @@ Order is a pure function of (seed, epoch, DP rank, DP size), so a run resumes ex
 - TP peers pass the same *data-parallel* rank and therefore get identical batches. We never read the global
   RANK that webdataset's split_by_node uses.
 
-A background thread reads, verifies (size always, sha256 once per shard open: one extra pass over bytes
-already in memory) and slices shards ahead of the consumer; the position handed out with each batch is the
+A background thread reads, verifies (``dataset.read_shard``: sha256 and members, once per shard open; one extra
+pass over bytes already in memory) and slices shards ahead of the consumer; the position handed out with each batch is the
 position *after* it, so ``state_dict()`` describes what the training loop has consumed, not what was
 prefetched.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import queue
-import tarfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,42 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import Config, ConfigError
-
-MANIFEST = "manifest.json"
-FORMAT_VERSIONS = (1,)
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-class DataError(ConfigError):
-    """The dataset on disk cannot be used with this config (one line: what is wrong and how to fix it)."""
-
-
-# --- manifest -----------------------------------------------------------------------------------------
-def read_manifest(dataset_dir: str | Path) -> dict[str, Any]:
-    path = Path(dataset_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{path}: no manifest; prepare the dataset first with `prism prepare CONFIG`")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: manifest is not valid JSON ({e}); re-run `prism prepare` with overwrite") from None
-    if manifest.get("format_version") not in FORMAT_VERSIONS:
-        raise DataError(
-            f"{path}: format_version {manifest.get('format_version')!r} is not one this loader reads "
-            f"{FORMAT_VERSIONS}; re-prepare the dataset with this version of prism"
-        )
-    if manifest.get("dtype") not in DTYPES:
-        raise DataError(f"{path}: dtype {manifest.get('dtype')!r} is not one of {sorted(DTYPES)}")
-    return manifest
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+from pipeline.config import Config
+from pipeline.dataset import MANIFEST, DataError, iter_rows, read_manifest, read_shard, sample_bytes, sha256_file
 
 
 def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
@@ -82,55 +44,19 @@ def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
         )
     local = Path(cfg.data.tokenizer)
     if local.is_file():
-        sha = _sha256_file(local)
-        if tok.get("sha256") and sha != tok["sha256"]:
+        sha = sha256_file(local)
+        if sha != tok["sha256"]:
             raise DataError(
                 f"{where}: dataset was tokenized with a different tokenizer (sha256 {tok['sha256'][:12]}) than "
                 f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); point data.tokenizer at the "
                 f"dataset's tokenizer or re-prepare"
             )
     else:  # a Hub name: data prep recorded the name it was given
-        used = manifest.get("config", {}).get("data.tokenizer", tok.get("name_or_path"))
+        used = manifest["config"].get("data.tokenizer", tok["name_or_path"])
         if used != cfg.data.tokenizer:
             raise DataError(
                 f"{where}: dataset tokenizer {used!r} differs from data.tokenizer={cfg.data.tokenizer!r}; "
                 f"use the same tokenizer or re-prepare"
-            )
-
-
-# --- one shard ----------------------------------------------------------------------------------------
-class Shard:
-    """A whole shard in memory, verified, with its samples as ``[sequences_per_sample, seq_len+1]`` views."""
-
-    def __init__(self, dataset_dir: Path, entry: dict[str, Any], manifest: dict[str, Any], samples_per_shard: int):
-        path = dataset_dir / entry["path"]
-        if not path.is_file():
-            raise DataError(f"{path}: shard listed in the manifest is missing; re-run `prism prepare`")
-        data = path.read_bytes()
-        if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise DataError(f"{path}: sha256 does not match the manifest (corrupted shard); re-run `prism prepare`")
-        dtype = DTYPES[manifest["dtype"]]
-        rows, cols = manifest["sequences_per_sample"], manifest["seq_len"] + 1
-        nbytes = rows * cols * np.dtype(dtype).itemsize
-        self.samples: list[np.ndarray] = []
-        try:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    if member.size != nbytes or not member.name.endswith(".tokens"):
-                        raise DataError(
-                            f"{path}: member {member.name} has {member.size} bytes, expected a .tokens sample of "
-                            f"{nbytes} ({rows}x{cols} {manifest['dtype']}); the shard is corrupt, re-run `prism prepare`"
-                        )
-                    view = np.frombuffer(data, dtype=dtype, count=rows * cols, offset=member.offset_data)
-                    self.samples.append(view.reshape(rows, cols))
-        except tarfile.TarError as e:
-            raise DataError(f"{path}: not a readable tar ({e}); the shard is corrupt, re-run `prism prepare`") from None
-        if len(self.samples) != samples_per_shard or len(self.samples) != entry["samples"]:
-            raise DataError(
-                f"{path}: holds {len(self.samples)} samples, manifest says {entry['samples']} (split samples_per_shard="
-                f"{samples_per_shard}); the shard is truncated or corrupt, re-run `prism prepare`"
             )
 
 
@@ -162,6 +88,7 @@ class ShardLoader:
         if split not in self.manifest["splits"]:
             raise DataError(f"{self.dataset_dir / MANIFEST}: no {split!r} split; re-run `prism prepare`")
         info = self.manifest["splits"][split]
+        self.split = split
         self.shards: list[dict[str, Any]] = info["shards"]
         self.samples_per_shard = int(info["samples_per_shard"])
         self.seed, self.dp_rank, self.dp_size, self.batch_size = cfg.run.seed, dp_rank, dp_size, batch_size
@@ -180,9 +107,7 @@ class ShardLoader:
 
     def _check_sizes(self) -> None:
         """Cheap check at start-up: every shard exists and is at least as large as its samples need."""
-        m = self.manifest
-        sample_bytes = m["sequences_per_sample"] * (m["seq_len"] + 1) * np.dtype(DTYPES[m["dtype"]]).itemsize
-        need = self.samples_per_shard * (sample_bytes + 512)  # + one tar header per member
+        need = self.samples_per_shard * (sample_bytes(self.manifest) + 512)  # + one tar header per member
         for entry in self.shards:
             path = self.dataset_dir / entry["path"]
             if not path.is_file():
@@ -227,8 +152,8 @@ class ShardLoader:
         try:
             while not self._stop.is_set():
                 shard_id = self.epoch_shards(p.epoch)[p.shard_cursor]
-                shard = Shard(self.dataset_dir, self.shards[shard_id], self.manifest, self.samples_per_shard)
-                table = np.concatenate(shard.samples)  # [rows, seq_len+1]
+                shard = read_shard(self.dataset_dir, self.manifest, self.split, self.shards[shard_id])
+                table = shard.reshape(-1, shard.shape[-1])  # [rows, seq_len+1]
                 order = self.row_order(p.epoch, shard_id)
                 while p.row_cursor < len(order):
                     take = min(self.batch_size - have, len(order) - p.row_cursor)
@@ -296,16 +221,12 @@ def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.n
     dataset_dir = Path(cfg.data.dataset_dir)
     manifest = manifest if manifest is not None else read_manifest(dataset_dir)
     check_compatible(manifest, cfg)
-    info = manifest["splits"].get("val")
     want = max(1, cfg.train.val_tokens // cfg.model.seq_len)
-    rows: list[np.ndarray] = []
-    have = 0
-    for entry in (info or {}).get("shards", []):
-        for sample in Shard(dataset_dir, entry, manifest, int(info["samples_per_shard"])).samples:
-            rows.append(sample[: want - have])
-            have += len(rows[-1])
-            if have == want:
-                return np.concatenate(rows)
+    rows = []
+    for row in iter_rows(dataset_dir, "val", manifest):
+        rows.append(row)
+        if len(rows) == want:
+            break
     if not rows:
         raise DataError(f"{dataset_dir / MANIFEST}: the val split is empty; prepare with data.val_fraction > 0")
-    return np.concatenate(rows)  # fewer rows than asked for: the whole split
+    return np.stack(rows)  # fewer rows than asked for: the whole split

@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -35,26 +34,19 @@ def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
 
     Both in nats per token, like the loss. The val figure uses add-one smoothing so unseen tokens count.
     """
-    import json
-
     import numpy as np
 
-    manifest = json.loads(manifest_path.read_text())
-    root, dtype, vocab = (
-        manifest_path.parent,
-        np.dtype(manifest["dtype"]),
-        manifest["tokenizer"]["vocab_size"],
-    )
+    from pipeline import dataset
+
+    root = Path(manifest_path).parent
+    manifest = dataset.read_manifest(root)
+    vocab = manifest["tokenizer"]["vocab_size"]
 
     def counts(split: str) -> np.ndarray:
         total = np.zeros(vocab, dtype=np.int64)
-        for shard in manifest["splits"][split]["shards"]:
-            with tarfile.open(root / shard["path"]) as tar:
-                for member in tar:
-                    if member.isfile() and member.name.endswith(".tokens"):
-                        rows = np.frombuffer(tar.extractfile(member).read(), dtype=dtype)
-                        rows = rows.reshape(-1, manifest["seq_len"] + 1)[:, 1:]  # the predicted tokens
-                        total += np.bincount(rows.ravel().astype(np.int64), minlength=vocab)[:vocab]
+        for shard in dataset.iter_shards(root, split, manifest):
+            predicted = shard[..., 1:].ravel().astype(np.int64)  # the tokens a model is scored on
+            total += np.bincount(predicted, minlength=vocab)[:vocab]
         return total
 
     train, val = counts("train"), counts("val")

@@ -26,9 +26,10 @@ from tokenizers import Tokenizer
 
 from data_prep.build import build_executor, build_pipeline, prepare
 from data_prep.corpus import FINEWEB_SCHEMA, build_embedded_corpus, train_bpe_tokenizer
-from data_prep.manifest import DatasetError, verify
-from data_prep.steps import TokenizeToShards
+from data_prep.manifest import verify
+from data_prep.tokenize_to_shards import TokenizeToShards
 from pipeline import cli, config
+from pipeline.dataset import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny_prism.yaml"
@@ -166,7 +167,7 @@ def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
     assert not (killed_dir / "manifest.json").exists()
     assert first_of_task1.exists()  # task 1 left partial output behind
     # An unfinished build resumes only with the same task count (it fixes the shard layout).
-    with pytest.raises(DatasetError, match="data.tasks=2"):
+    with pytest.raises(DataError, match="data.tasks=2"):
         prepare(load(tiny_data, *common, f"data.dataset_dir={killed_dir}", "data.tasks=3"))
 
     task0 = {p.name: p.stat().st_mtime_ns for p in (killed_dir / "train").glob("shard-00000-*")}
@@ -180,7 +181,7 @@ def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
 
 # --- refusals -------------------------------------------------------------------------------------------
 def one_line_refusal(cfg: config.Config, match: str, **kw) -> str:
-    with pytest.raises(DatasetError, match=match) as e:
+    with pytest.raises(DataError, match=match) as e:
         prepare(cfg, **kw)
     assert "\n" not in str(e.value)
     return str(e.value)
@@ -249,11 +250,12 @@ def test_verify_reports_shards_that_do_not_match(tiny_data, tmp_path, capsys):
     assert cli.main(["prepare", "--verify", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"prism prepare: error: {copy}: manifest does not match its shards")
-    report = "\n".join(err)
-    assert f"{shards[0]['path']}: sha256 differs" in report
-    assert f"{shards[1]['path']}: missing" in report
-    assert f"{shards[2]['path']}: 1 samples, manifest says 16" in report
-    assert "train/shard-00009-000000.tar: shard file not listed" in report
+    line = {shard["path"]: [x for x in err if f"{shard['path']}:" in x] for shard in shards[:4]}
+    assert len(line[shards[0]["path"]]) == 1 and "sha256 differs from the manifest" in line[shards[0]["path"]][0]
+    assert len(line[shards[1]["path"]]) == 1 and f"{shards[1]['path']}: missing" in line[shards[1]["path"]][0]
+    assert len(line[shards[2]["path"]]) == 1 and "1 samples, manifest says 16" in line[shards[2]["path"]][0]
+    assert line[shards[3]["path"]] == []  # the intact one
+    assert "train/shard-00009-000000.tar: shard file not listed in the manifest" in [x.strip() for x in err]
 
 
 # --- executors, inputs ------------------------------------------------------------------------------------
@@ -280,7 +282,7 @@ def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
     assert f"source {sys.prefix}/bin/activate" in script
     local = build_executor(load(tiny_data), pipeline, tmp_path / "logs2")
     assert isinstance(local, LocalPipelineExecutor) and local.pipeline is pipeline and local.start_method == "fork"
-    with pytest.raises(DatasetError, match="data.slurm.partition"):
+    with pytest.raises(DataError, match="data.slurm.partition"):
         build_executor(load(tiny_data, "data.executor=slurm"), pipeline, tmp_path / "logs3")
 
 
@@ -330,7 +332,7 @@ def test_embedded_corpus_and_tokenizer_are_reproducible(tmp_path):
 def test_shard_bytes_equal_webdataset_tarwriter_output():
     from webdataset import TarWriter
 
-    from data_prep.steps import encode_tar
+    from data_prep.tokenize_to_shards import encode_tar
 
     samples = np.arange(3 * 4 * 9, dtype=np.uint16).reshape(3, 4, 9)
     buf = io.BytesIO()

@@ -6,49 +6,35 @@ and dropped before the next sequence, so memory stays bounded at 1024 context.
 
 from __future__ import annotations
 
-import json
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pipeline import dataset
 from pipeline.analysis.distance import DistanceAccumulator
 from pipeline.config import Config, ConfigError
 
 
-def read_manifest(dataset_dir: str | Path, split: str) -> dict:
-    manifest_path = Path(dataset_dir) / "manifest.json"
-    if not manifest_path.is_file():
-        raise ConfigError(
-            f"{manifest_path}: no prepared dataset here; run `prism prepare CONFIG` or set data.dataset_dir"
-        )
-    manifest = json.loads(manifest_path.read_text())
+def _manifest_with_split(dataset_dir: str | Path, split: str) -> dict:
+    manifest = dataset.read_manifest(dataset_dir)
     if split not in manifest["splits"]:
         raise ConfigError(f"--split {split}: the dataset has splits {sorted(manifest['splits'])}; pick one")
     return manifest
 
 
 def count_sequences(dataset_dir: str | Path, split: str = "val") -> int:
-    manifest = read_manifest(dataset_dir, split)
+    manifest = _manifest_with_split(dataset_dir, split)
     return sum(s["samples"] for s in manifest["splits"][split]["shards"]) * manifest["sequences_per_sample"]
 
 
 def iter_sequences(dataset_dir: str | Path, split: str = "val") -> Iterator[np.ndarray]:
-    """Packed sequences of one split, in manifest order: int64 [seq_len + 1] rows (inputs + targets)."""
-    root = Path(dataset_dir)
-    manifest = read_manifest(root, split)
-    shape = (manifest["sequences_per_sample"], manifest["seq_len"] + 1)
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-    for shard in manifest["splits"][split]["shards"]:
-        with tarfile.open(root / shard["path"]) as tar:
-            for member in tar:
-                if not member.isfile() or not member.name.endswith(".tokens"):
-                    continue
-                data = tar.extractfile(member).read()
-                for row in np.frombuffer(data, dtype=dtype).reshape(shape):
-                    yield row.astype(np.int64)
+    """Packed sequences of one split in manifest order, each shard verified against the manifest (sha256,
+    members) before use: int64 [seq_len + 1] rows (inputs + targets)."""
+    manifest = _manifest_with_split(dataset_dir, split)
+    for row in dataset.iter_rows(dataset_dir, split, manifest):
+        yield row.astype(np.int64)
 
 
 def measure(model: torch.nn.Module, cfg: Config, sequences: Iterator[np.ndarray], n: int) -> list[dict]:

@@ -1,4 +1,5 @@
-"""The datatrove step that tokenises documents, packs them into fixed-length sequences and writes shards.
+"""The datatrove step that tokenises documents, packs them into fixed-length sequences and writes shards
+in the format pipeline/dataset.py defines.
 
 One task's output is a deterministic function of its input files: documents are read in file order,
 routed to train or val by a stable hash of their id, encoded with EOS appended, concatenated into one token
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 from datatrove.data import DocumentsPipeline
-from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
+from data_prep.manifest import rank_record
 from pipeline.atomic import write_atomic
+from pipeline.dataset import DTYPES, SAMPLE_SUFFIX, SPLITS, shard_key, shard_name
 
-SPLITS = ("train", "val")
 TAR_MTIME = 0  # fixed tar metadata: shards are byte-reproducible
 TAR_OWNER = "prism"
 
@@ -31,10 +32,6 @@ def is_val(doc_id: str, val_fraction: float) -> bool:
     """Stable per-document split: the first 8 bytes of sha256(id) as a fraction of 2**64."""
     h = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
     return h < val_fraction * 2**64
-
-
-def shard_name(split: str, rank: int, index: int) -> str:
-    return f"{split}/shard-{rank:05d}-{index:06d}.tar"
 
 
 def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
@@ -47,7 +44,7 @@ def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for i, sample in enumerate(samples):
             data = sample.tobytes()
-            info = tarfile.TarInfo(f"{key_prefix}-{i:06d}.tokens")
+            info = tarfile.TarInfo(f"{key_prefix}-{i:06d}{SAMPLE_SUFFIX}")
             info.size, info.mtime, info.mode = len(data), TAR_MTIME, 0o444
             info.uname = info.gname = TAR_OWNER
             tar.addfile(info, io.BytesIO(data))
@@ -61,7 +58,7 @@ class _SplitPacker:
         self.split, self.rank, self.out_dir = split, rank, out_dir
         self.shape = (samples_per_shard, sequences_per_sample, seq_len + 1)
         self.shard_tokens = int(np.prod(self.shape))
-        self.dtype = dtype
+        self.dtype = DTYPES[dtype]
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
         self.shards: list[dict] = []
@@ -82,7 +79,7 @@ class _SplitPacker:
     def _write_shard(self, samples: np.ndarray) -> None:
         index = len(self.shards)
         rel = shard_name(self.split, self.rank, index)
-        data = encode_tar(samples, f"{self.split}-{self.rank:05d}-{index:06d}")
+        data = encode_tar(samples, shard_key(self.split, self.rank, index))
         write_atomic(self.out_dir / rel, data)
         self.shards.append(
             {
@@ -141,7 +138,7 @@ class TokenizeToShards(PipelineStepWithTokenizer):
             (out_dir / split).mkdir(parents=True, exist_ok=True)
             for p in (out_dir / split).glob(f"*shard-{rank:05d}-*"):
                 p.unlink()
-        (out_dir / ".prep" / "ranks" / f"{rank:05d}.json").unlink(missing_ok=True)
+        rank_record(out_dir, rank).unlink(missing_ok=True)
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         out_dir = Path(self.dataset_dir)
@@ -186,26 +183,6 @@ class TokenizeToShards(PipelineStepWithTokenizer):
             self.stat_update(f"{split}_shards", value=len(p.shards), unit="task")
             self.stat_update("tokens_written", value=p.tokens_written, unit="task")
             self.stat_update("tokens_dropped", value=p.tokens_encoded - p.tokens_written, unit="task")
-        ranks_dir = out_dir / ".prep" / "ranks"
-        ranks_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(ranks_dir / f"{rank:05d}.json", json.dumps(record, indent=1).encode())
+        write_atomic(rank_record(out_dir, rank), json.dumps(record, indent=1).encode())
         return
         yield  # a generator, like every datatrove step; it passes nothing on
-
-
-class WriteManifest(PipelineStep):
-    """One-task step run after all shard tasks (a dependent Slurm job): assembles manifest.json."""
-
-    name = "📜 Write manifest"
-    type = "✍️ - WRITER"
-
-    def __init__(self, dataset_dir: str):
-        super().__init__()
-        self.dataset_dir = str(dataset_dir)
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from data_prep.manifest import write_manifest
-
-        write_manifest(Path(self.dataset_dir))
-        return
-        yield
