@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pipeline import compat, config
+from pipeline import config, distributed
 from pipeline.model import build_model, lm_loss
 from pipeline.model.cli import uniform_twin
 
@@ -34,7 +34,7 @@ def bench(preset: str, batch: int, steps: int, seq_len: int | None) -> dict:
         overrides.append("train.precision=fp32")  # CPU: fp32 (bf16 matmuls differ in speed by kernel)
     prism = config.load(PRESETS[preset], overrides)
     arms = {"prism": prism, "uniform": uniform_twin(prism)}
-    compat.init_model_parallel(1, prism.run.seed)
+    distributed.init_model_parallel(1, prism.run.seed)
     models = {name: build_model(cfg).train() for name, cfg in arms.items()}
     device = next(models["prism"].parameters()).device
     tokens = torch.randint(0, prism.model.vocab_size, (batch, prism.model.seq_len + 1), device=device)

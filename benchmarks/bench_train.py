@@ -46,11 +46,11 @@ def bench_loader(cfg, seconds: float) -> float:
 def bare_step_times(cfg, steps: int) -> list[float]:
     import torch
 
-    from pipeline import compat, data
+    from pipeline import data, distributed
     from pipeline.model import build_model, lm_loss
     from pipeline.train import lr_at, make_optimizer
 
-    compat.init_model_parallel(1, cfg.run.seed)
+    distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg)
     opt = make_optimizer(cfg, model)
     plan = cfg.steps(1)

@@ -8,14 +8,17 @@ CPU equivalents, and only then: with CUDA present nothing here patches anything.
   3. the default causal mask in fused_softmax is built on "cuda" -> built on the CPU;
   4. `RotaryEmbedding.get_emb` moves `inv_freq` to CUDA -> not used: pipeline.model builds its own
      rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
+
+Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
+Process groups, devices and collectives are plumbing, not quirks: pipeline.distributed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -95,6 +98,27 @@ def _seed_model_parallel_cpu(seed: int) -> None:
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def megatron_on_cpu(seed: int) -> None:
+    """Shims 1-3 on a CPU-only torch, after every (re)initialisation of parallel_state: it builds a fresh
+    CUDA memory buffer and RNG tracker each time."""
+    apply_cpu_shims()
+    _install_cpu_memory_buffer()
+    _seed_model_parallel_cpu(seed)
+
+
+def model_parallel_rng_states() -> dict[str, Any]:
+    """megatron's model-parallel RNG tracker states (dropout inside TP regions): CUDA or, on CPU, shim 1's."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().get_states()
+
+
+def set_model_parallel_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(states)
+
+
 _SINGLE_RANK_GROUPS: list | None = None
 
 
@@ -106,47 +130,6 @@ def single_rank_groups() -> list:
         world = torch.distributed.get_world_size()
         _SINGLE_RANK_GROUPS = [torch.distributed.new_group([r]) for r in range(world)]
     return _SINGLE_RANK_GROUPS
-
-
-def init_distributed() -> None:
-    """torch.distributed from torchrun's env (NCCL on GPU, gloo on CPU), else a gloo world of 1."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    backend = "nccl" if cuda_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-def init_model_parallel(tp: int, seed: int) -> None:
-    """torch.distributed (if needed), megatron's parallel_state with TP=tp, and the model-parallel RNG.
-
-    Calling it again with another TP size tears the old groups down first (tests switch TP 1 -> 2)."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    if world % tp:
-        from pipeline.config import ConfigError
-
-        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}")
-    if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp:
-            parallel_state.destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    torch.manual_seed(seed)  # CPU-initialised master weights draw from the default generator
-    if cuda_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        apply_cpu_shims()
-        _install_cpu_memory_buffer()
-        _seed_model_parallel_cpu(seed)
 
 
 # ======================================================================================================

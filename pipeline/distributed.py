@@ -1,14 +1,20 @@
-"""Process plumbing the trainer, the model and the readers share: the device, and the collectives.
+"""Process plumbing the trainer, the model and the readers share: process groups, the device, collectives.
 
 Library quirks (megatron-core or DeepSpeed assuming CUDA, version differences) are not here but in
-pipeline.compat; this module only says which device a process uses and how ranks exchange tensors.
+pipeline.compat; this module only says how processes join, which device they use and how ranks exchange
+values.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import signal
 from typing import Any
 
 from pipeline.config import ConfigError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class DeviceError(ConfigError):
@@ -28,6 +34,57 @@ def resolve_device(requested: str = "auto") -> str:
     return requested
 
 
+def setup_threads() -> None:
+    """Several ranks on one CPU host must not each spawn a thread per core."""
+    if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+
+
+# --- process groups -------------------------------------------------------------------------------------
+def init_distributed() -> None:
+    """torch.distributed from torchrun's env (NCCL on GPU, gloo on CPU), else a gloo world of 1."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_model_parallel(tp: int, seed: int) -> None:
+    """torch.distributed (if needed), megatron's parallel_state with TP=tp, and the model-parallel RNG.
+
+    Calling it again with another TP size tears the old groups down first (tests switch TP 1 -> 2)."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    from pipeline import compat
+
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    if world % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}")
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)  # CPU-initialised master weights draw from the default generator
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        compat.megatron_on_cpu(seed)
+
+
+# --- collectives ----------------------------------------------------------------------------------------
 def tp_all_gather(tensor: Any, dim: int) -> Any:
     """Concatenate every tensor-parallel rank's ``tensor`` along ``dim`` (rank order); no gradient.
 
@@ -53,3 +110,37 @@ def dp_mean(value: Any, device: str) -> float:
     t = torch.as_tensor(value, dtype=torch.float32, device=device).clone()
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return float(t) / parallel_state.get_data_parallel_world_size()
+
+
+def dp_sum(tensor: Any) -> Any:
+    """Sum ``tensor`` in place over the data-parallel group; returns it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
+    return tensor
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1/SIGUSR2 set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def agreed(self, device: str) -> bool:
+        """True on every rank when any rank received a signal (a collective: every rank calls it)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)

@@ -3,32 +3,31 @@
     prism train CONFIG [overrides]            # one process
     torchrun --nproc-per-node N -m pipeline.cli train CONFIG ...   # N processes (TP x DP)
 
-The loop below reads top to bottom like nanoGPT's; the parallel plumbing (process groups, the engine, the
-collectives that keep ranks in step) lives in the small named helpers above it.
+Read it bottom up: `train` is the loop (resume, validation, checkpoints, stop and NaN
+handling), `train_step` one optimizer step, `log_step` one log line. Process groups and collectives are in
+pipeline.distributed, what a checkpoint holds in pipeline.checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
-import signal
 import sys
 import time
 from collections import deque
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
+from pipeline.checkpoint import TrainState
 from pipeline.config import Config, ConfigError
-from pipeline.distributed import DeviceError, dp_mean, resolve_device
+from pipeline.distributed import DeviceError, StopSignal, dp_mean, dp_sum, init_model_parallel, resolve_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 # Dense bf16 tensor-core peak per device (FLOP/s), matched by substring of torch.cuda.get_device_name().
 PEAK_FLOPS = {
@@ -71,7 +70,7 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
     )
 
 
-# --- parallel plumbing ----------------------------------------------------------------------------------
+# --- the engine ----------------------------------------------------------------------------------------
 def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, Any]:
     t = cfg.train
     return {
@@ -98,30 +97,7 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
     return engine, optimizer
 
 
-class StopSignal:
-    """SIGTERM/SIGUSR1/SIGUSR2 set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
-
-    def agreed(self, device: str) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-
-
+# --- measurements -------------------------------------------------------------------------------------
 def peak_flops(cfg: Config, device: str) -> float | None:
     if cfg.train.peak_flops:
         return cfg.train.peak_flops
@@ -144,7 +120,6 @@ def memory_gb(device: str) -> float:
 def evaluate(engine: Any, val_rows: np.ndarray, micro: int, device: str) -> float:
     """Mean loss over the fixed val rows; rows are dealt to DP ranks round-robin, TP peers share them."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from pipeline.model import lm_loss
@@ -159,31 +134,126 @@ def evaluate(engine: Any, val_rows: np.ndarray, micro: int, device: str) -> floa
             total[0] += lm_loss(engine, tokens).double() * len(tokens)
             total[1] += len(tokens)
     engine.train()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    dp_sum(total)
     return float(total[0] / total[1])
 
 
-def dump_nonfinite(cfg: Config, step: int, info: dict[str, Any], batches: list[np.ndarray]) -> Path:
-    """Diagnostic for a NaN/inf step: numbers as JSON, this rank's batches of the step as .npz."""
+# --- one step, its log line, the loop ---------------------------------------------------------------
+@dataclass
+class StepResult:
+    loss: float  # mean over the step's micro-batches and the DP ranks
+    grad_norm: float
+    lr: float
+    seconds: float
+    # this rank's micro-batch losses, batches and loader position before the step: a NaN step's diagnostic
+    micro_losses: list[Any]
+    batches: list[np.ndarray]
+    position_before: dict[str, Any]
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: int, device: str) -> StepResult:
+    """One optimizer step: ``grad_accum`` micro-batches forward and backward, DeepSpeed's clipped update."""
+    import torch
+
+    from pipeline.model import lm_loss
+
+    t0 = time.perf_counter()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    position_before = loader.state_dict()
+    batches, micro_losses = [], []
+    for _ in range(grad_accum):
+        batch = loader.next_batch()
+        batches.append(batch)
+        loss = lm_loss(engine, torch.from_numpy(batch).to(device))
+        engine.backward(loss)
+        engine.step()  # DeepSpeed applies the update at the accumulation boundary only
+        micro_losses.append(loss.detach())
+    mean_loss = dp_mean(torch.stack(micro_losses).float().mean(), device)
+    grad_norm = float(engine.get_global_grad_norm() or 0.0)
+    return StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
+
+
+def log_step(
+    cfg: Config,
+    tracker: Any,
+    state: TrainState,
+    total_steps: int,
+    result: StepResult,
+    val_loss: float | None,
+    device: str,
+) -> None:
+    """Metrics to the tracker and, on rank 0, one console line."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    path = cfg.checkpoint_dir / f"nonfinite-step-{step:07d}-rank{rank}.json"
+    from pipeline.model import flops_per_token
+
+    tok_s = cfg.train.batch_tokens / result.seconds
+    peak = peak_flops(cfg, device)
+    mfu = flops_per_token(cfg) * tok_s / (peak * dist.get_world_size()) if peak else None
+    metrics = {
+        "train/loss": result.loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_sec": tok_s,
+        "step_time": result.seconds,
+        "tokens_seen": state.tokens_seen,
+        "memory_gb": memory_gb(device),
+    }
+    if val_loss is not None:
+        metrics["val/loss"] = val_loss
+    if mfu is not None:
+        metrics["mfu"] = mfu
+    tracker.log_metrics(metrics, state.step)
+    if dist.get_rank() == 0:
+        print(
+            f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
+            + (f" | val {val_loss:.4f}" if val_loss is not None else "")
+            + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
+            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + f" | mem {metrics['memory_gb']:.2f} GB",
+            flush=True,
+        )
+
+
+def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[float]) -> None:
+    """Diagnostic for a NaN/inf step: numbers as JSON, this rank's batches of the step as .npz; one error line."""
+    import torch.distributed as dist
+
+    info = {
+        "step": step,
+        "train_loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "micro_losses": [float(x) for x in result.micro_losses],
+        "recent_losses": list(recent),
+        "loader_position_before_step": result.position_before,
+        "last_good_checkpoint": checkpoint.latest_tag(cfg.checkpoint_dir),
+    }
+    path = cfg.checkpoint_dir / f"nonfinite-step-{step:07d}-rank{dist.get_rank()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path.with_suffix(".npz"), *batches)
+    np.savez_compressed(path.with_suffix(".npz"), *result.batches)
     write_atomic(path, json.dumps(info, indent=1, default=str))
-    return path
+    if dist.get_rank() == 0:
+        print(
+            f"prism train: error: non-finite loss {result.loss} / grad norm {result.grad_norm} at step {step}; "
+            f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
+            f"(lower train.lr or check the data, then resume)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-# --- the loop ---------------------------------------------------------------------------------------
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pipeline import compat
-    from pipeline.model import build_model, flops_per_token, lm_loss
+    from pipeline.model import build_model
     from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
@@ -195,7 +265,7 @@ def train(cfg: Config) -> dict[str, Any]:
     except DeviceError as e:
         raise ConfigError(f"{cfg.source}: train.device: {e}") from None
 
-    compat.init_model_parallel(cfg.parallel.tp, cfg.run.seed)
+    init_model_parallel(cfg.parallel.tp, cfg.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     plan = cfg.steps(dp_size)
@@ -208,15 +278,11 @@ def train(cfg: Config) -> dict[str, Any]:
     model = build_model(cfg)  # on the GPU already when there is one
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
 
-    step, tokens_seen, run_id = 0, 0, None
+    state = TrainState(loader=loader)
     if resume_tag:
-        client = checkpoint.load(engine, cfg, resume_tag)
-        state = client["prism"]
-        step, tokens_seen, run_id = state["step"], client["tokens_seen"], client.get("run_id")
-        loader.load_state_dict(state["rank"]["loader"])
+        checkpoint.load(engine, cfg, resume_tag, state)
     tracker = make_tracker(cfg, rank)
-    run_id = tracker.start(cfg, run_id=run_id)
-    flops_tok, peak = flops_per_token(cfg), peak_flops(cfg, device)
+    state.run_id = tracker.start(cfg, run_id=state.run_id)
     stopper = StopSignal()
     if master:
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
@@ -227,89 +293,30 @@ def train(cfg: Config) -> dict[str, Any]:
             flush=True,
         )
 
-    def save(at: int) -> str:
-        client_state = {"tokens_seen": tokens_seen, "run_id": run_id}
-        return checkpoint.save(engine, cfg, at, client_state, per_rank={"loader": loader.state_dict()})
-
     exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
     recent: deque[float] = deque(maxlen=20)
-    while step < total_steps:
-        t0 = time.perf_counter()
-        lr = lr_at(step, total_steps, warmup, t.lr, t.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        position_before = loader.state_dict()
-        batches, micro_losses = [], []
-        for _ in range(grad_accum):
-            batch = loader.next_batch()
-            batches.append(batch)
-            loss = lm_loss(engine, torch.from_numpy(batch).to(device))
-            engine.backward(loss)
-            engine.step()  # DeepSpeed applies the update at the accumulation boundary only
-            micro_losses.append(loss.detach())
-        train_loss = dp_mean(torch.stack(micro_losses).float().mean(), device)
-        grad_norm = float(engine.get_global_grad_norm() or 0.0)
-        step += 1
-        tokens_seen += t.batch_tokens
-        step_time = time.perf_counter() - t0
-
-        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            info = {
-                "step": step,
-                "train_loss": train_loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "micro_losses": [float(x) for x in micro_losses],
-                "recent_losses": list(recent),
-                "loader_position_before_step": position_before,
-                "last_good_checkpoint": checkpoint.latest_tag(cfg.checkpoint_dir),
-            }
-            path = dump_nonfinite(cfg, step, info, batches)
-            if master:
-                print(
-                    f"prism train: error: non-finite loss {train_loss} / grad norm {grad_norm} at step {step}; "
-                    f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
-                    f"(lower train.lr or check the data, then resume)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    while state.step < total_steps:
+        lr = lr_at(state.step, total_steps, warmup, t.lr, t.min_lr)
+        result = train_step(engine, optimizer, loader, lr, grad_accum, device)
+        state.step += 1
+        state.tokens_seen += t.batch_tokens
+        train_loss = result.loss
+        if not result.finite:
+            report_nonfinite(cfg, state.step, result, recent)
             exit_code = EXIT_NONFINITE
             break
         recent.append(train_loss)
 
+        step = state.step
         val_loss = None
         if step % t.val_every == 0 or step == total_steps:
             val_loss = last_val = evaluate(engine, val_rows, micro, device)
         if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
-            tok_s = t.batch_tokens / step_time
-            mfu = flops_tok * tok_s / (peak * world) if peak else None
-            metrics = {
-                "train/loss": train_loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_sec": tok_s,
-                "step_time": step_time,
-                "tokens_seen": tokens_seen,
-                "memory_gb": memory_gb(device),
-            }
-            if val_loss is not None:
-                metrics["val/loss"] = val_loss
-            if mfu is not None:
-                metrics["mfu"] = mfu
-            tracker.log_metrics(metrics, step)
-            if master:
-                print(
-                    f"step {step:>6}/{total_steps} | tokens {tokens_seen:,} | loss {train_loss:.4f}"
-                    + (f" | val {val_loss:.4f}" if val_loss is not None else "")
-                    + f" | lr {lr:.3e} | grad_norm {grad_norm:.3f} | {tok_s:,.0f} tok/s"
-                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-                    + f" | mem {metrics['memory_gb']:.2f} GB",
-                    flush=True,
-                )
+            log_step(cfg, tracker, state, total_steps, result, val_loss, device)
 
         stop = stopper.agreed(device)
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
-            tag = save(step)
+            tag = checkpoint.save(engine, cfg, state)
             if master:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
         if stop:
@@ -328,20 +335,12 @@ def train(cfg: Config) -> dict[str, Any]:
     tracker.finish(status)
     reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
     return {
-        "steps": step,
+        "steps": state.step,
         "total_steps": total_steps,
-        "tokens_seen": tokens_seen,
+        "tokens_seen": state.tokens_seen,
         "train_loss": train_loss,
         "val_loss": last_val,
-        "run_id": run_id,
+        "run_id": state.run_id,
         "exit_reason": reason,
         "exit_code": exit_code,
     }
-
-
-def setup_threads() -> None:
-    """Several ranks on one CPU host must not each spawn a thread per core."""
-    if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))

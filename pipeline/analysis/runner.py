@@ -16,7 +16,8 @@ def measure_checkpoint(
     path: str | Path, split: str, sequences: int, out_dir: Path | None, device: str, overrides: list[str]
 ) -> dict[str, Any]:
     """D_l of one checkpoint: writes <out>/<run>-<tag>.{csv,json,png}; returns the result with its files."""
-    from pipeline.inference import load_checkpoint, load_config, resolve_tag_dir
+    from pipeline.checkpoint import resolve_tag_dir
+    from pipeline.inference import load_checkpoint, load_config
 
     data_dir = load_config(resolve_tag_dir(path), overrides).data.dataset_dir
     available = count_sequences(data_dir, split)  # refuse before loading a model

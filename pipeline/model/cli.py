@@ -44,11 +44,11 @@ class ModelCount:
 
 def count(cfg: Config) -> ModelCount:
     """Parameters from the modules megatron builds (meta device), FLOPs from the shared counter."""
-    from pipeline import compat
+    from pipeline import distributed
     from pipeline.model import build_model, flops_per_token, padded_vocab_size
 
     cfg = from_dict(apply_overrides(cfg.to_dict(), ["parallel.tp=1"]), cfg.source)  # whole model on one rank
-    compat.init_model_parallel(1, cfg.run.seed)
+    distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg, meta=True)
     m = cfg.model
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]

@@ -180,12 +180,12 @@ def check_buildable(cfg: Config) -> None:
         if world_tp != tp:
             raise ConfigError(
                 f"{cfg.source}: parallel.tp={tp} but model parallel was initialised with TP={world_tp}; "
-                f"call pipeline.compat.init_model_parallel({tp}, seed) first"
+                f"call pipeline.distributed.init_model_parallel({tp}, seed) first"
             )
 
 
 def build_model(cfg: Config, *, meta: bool = False):
-    """megatron-core GPTModel for ``cfg`` (call pipeline.compat.init_model_parallel first).
+    """megatron-core GPTModel for ``cfg`` (call pipeline.distributed.init_model_parallel first).
 
     meta=True builds on the meta device without allocating or initialising weights (model report)."""
     from megatron.core.models.gpt import GPTModel
