@@ -173,7 +173,7 @@ class Config:
         )
         _check_combinations(self)
 
-    # --- derived values (never stored) -------------------------------------------------------------
+    # --- derived names and paths (computed on read) -------------------------------------------------------------
     @property
     def run_name(self) -> str:
         return f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
