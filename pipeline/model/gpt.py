@@ -2,7 +2,8 @@
 
 The whole Prism change is `PrismTransformerConfig.get_config_for_layer`: megatron's TransformerBlock asks it
 for every layer's config when `heterogeneous_block_specs` is set, and layer l gets h_l heads of
-d_model / h_l dims, read from the config's `layer_plan` (made once when the config loads). Q, K, V and O stay d x d, so parameters and (non-attention) FLOPs do not move.
+d_model / h_l dims, read from the config's `layer_plan` (made once when the config loads). Q, K, V and O
+stay d x d, so parameters and (non-attention) FLOPs do not move.
 The uniform arm is the same code with a constant schedule.
 """
 
