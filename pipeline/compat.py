@@ -132,6 +132,27 @@ def single_rank_groups() -> list:
     return _SINGLE_RANK_GROUPS
 
 
+def replicated_attention_groups(pg_collection):
+    """megatron's process groups for one attention module, with its TP group swapped for this rank's
+    1-rank group: megatron then builds the QKV/O weights whole and runs no TP collectives for it."""
+    import copy
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    pg_collection = copy.copy(pg_collection)
+    pg_collection.tp = single_rank_groups()[torch.distributed.get_rank()]
+    return pg_collection
+
+
+def mark_replicated(parameters) -> None:
+    """Mark a replicated module's weights as whole copies: megatron's parallel linears flag every weight as
+    a TP shard, even in a 1-rank group, and DeepSpeed's grad norm would then count them once per TP rank."""
+    for p in parameters:
+        p.tensor_model_parallel = False
+
+
 # ======================================================================================================
 # DeepSpeed (trainer, issue 5): the mpu adapter, the CPU comm-op build skip, environment defaults.
 # ======================================================================================================

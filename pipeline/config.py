@@ -1,7 +1,10 @@
-"""The one config object: schema, YAML loading, dotted overrides, validation, stable hash.
+"""The one config object: schema, YAML loading (with `base:` overlays), dotted overrides, validation, hash.
 
-Every section is a dataclass; a YAML preset fills it. Loading rejects unknown keys, wrong types, missing
+Every section is a frozen dataclass; a YAML preset fills it. Loading rejects unknown keys, wrong types, missing
 required keys and impossible combinations with one line that names the file, the key and what is allowed.
+A loaded Config is valid and immutable: the head schedule is parsed once into `heads_per_layer`, and which
+layers run replicated under TP is decided once, in `layer_plan`. Derive a changed config with
+`from_dict(apply_overrides(cfg.to_dict(), [...]))`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline import schedule
+
 REQUIRED: Any = dataclasses.MISSING
 
 
@@ -25,7 +30,7 @@ class ConfigError(ValueError):
     """One-line message: where, which key, what is allowed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     arm: Literal["uniform", "prism"]
     scale: str  # "124m", "354m", "757m", "tiny"
@@ -33,7 +38,7 @@ class RunConfig:
     output_dir: str = "runs"  # run folder = output_dir / run_name
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     num_layers: int
     d_model: int
@@ -52,13 +57,13 @@ class ModelConfig:
     attention_backend: Literal["sdpa", "megatron"] = "sdpa"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleConfig:
-    heads: str | list[int]  # compact "3x2,6x2,8x2,12x6", an explicit list, or a preset name
+    heads: str | tuple[int, ...]  # compact "3x2,6x2,8x2,12x6", an explicit list, or a preset name
     allow_guideline_violations: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 1
     zero_stage: int = 1
@@ -66,7 +71,7 @@ class ParallelConfig:
     replicate_indivisible_layers: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     batch_tokens: int
     micro_batch_size: int
@@ -88,7 +93,7 @@ class TrainConfig:
     peak_flops: float | None = None  # per device; None: look the device up in a table
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmExecutorConfig:
     partition: str | None = None
     time: str = "04:00:00"
@@ -98,7 +103,7 @@ class SlurmExecutorConfig:
     sbatch_args: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     dataset_dir: str  # prepared webdataset folder (manifest.json + train/ + val/)
     input: str = "hf://datasets/HuggingFaceFW/fineweb/sample/10BT"
@@ -119,23 +124,23 @@ class DataConfig:
     slurm: SlurmExecutorConfig = field(default_factory=SlurmExecutorConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConfig:
     enabled: bool = True
     uri: str | None = None  # None: sqlite:///<run.output_dir>/mlflow.db (both arms); or http://host:port
     experiment: str | None = None  # None: prism-<scale>
-    milestones: list[float] = field(default_factory=list)  # val-loss thresholds, first crossing logged
+    milestones: tuple[float, ...] = ()  # val-loss thresholds, first crossing logged
     system_metrics: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
     keep_last: int = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     run: RunConfig
     model: ModelConfig
@@ -146,14 +151,29 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     source: str = field(default="<dict>", compare=False, repr=False)  # where it was loaded from; not hashed
+    # Derived once at construction, never dumped or hashed: the parsed schedule and the per-layer plan.
+    heads_per_layer: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    layer_plan: tuple[schedule.LayerPlan, ...] = field(init=False, compare=False, repr=False)
 
-    # --- derived values (never stored) -------------------------------------------------------------
-    @property
-    def heads_per_layer(self) -> tuple[int, ...]:
-        from pipeline import schedule
+    def __post_init__(self) -> None:
+        try:
+            heads = schedule.resolve(self.schedule.heads)
+        except schedule.ScheduleError as e:
+            raise ConfigError(f"{self.source}: schedule.heads: {e}") from None
+        object.__setattr__(self, "heads_per_layer", heads)  # frozen: the one place these are set
+        object.__setattr__(
+            self,
+            "layer_plan",
+            schedule.plan_layers(
+                heads,
+                self.model.d_model,
+                self.parallel.tp,
+                replicate_indivisible=self.parallel.replicate_indivisible_layers,
+            ),
+        )
+        _check_combinations(self)
 
-        return schedule.resolve(self.schedule.heads)
-
+    # --- derived names and paths (computed on read) -------------------------------------------------------------
     @property
     def run_name(self) -> str:
         return f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
@@ -171,9 +191,8 @@ class Config:
         return self.tracking.experiment or f"prism-{self.run.scale}"
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("source")
-        return d
+        """The sections as plain YAML-shaped data (what a preset holds): no source, no derived values."""
+        return _plain(self)
 
     def dump(self) -> str:
         """YAML of the full resolved config (defaults included): what MLflow stores verbatim."""
@@ -238,13 +257,27 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
     return [k for k in keys if in_scope(k) and a.get(k) != b.get(k)]
 
 
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init and f.name != "source"
+        }
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 # --- loading -------------------------------------------------------------------------------------------
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (list, dict):
+    if typing.get_origin(tp) is tuple:  # YAML writes it as a list
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if typing.get_origin(tp) is dict:
         return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
 
@@ -271,11 +304,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is not None:
             raise ConfigError(f"{where}: expected null")
         return None
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
+    if origin is tuple:  # a YAML list, kept as a tuple so the loaded config stays immutable
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, list | tuple):
             raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -293,8 +326,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    return cls(**_section_kwargs(cls, data, where))
+
+
+def _section_kwargs(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "source"}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys here: {', '.join(fields)}".lstrip("."))
@@ -305,7 +342,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             kwargs[name] = _coerce(data[name], hints[name], key)
         elif f.default is REQUIRED and f.default_factory is REQUIRED:  # type: ignore[misc]
             raise ConfigError(f"{key}: missing required key ({_type_name(hints[name])})")
-    return cls(**kwargs)
+    return kwargs
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -329,31 +366,56 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Build and validate (Config.__post_init__) a config from YAML-shaped data."""
     try:
-        cfg = _build(Config, data, "")
+        sections = _section_kwargs(Config, data, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    cfg.source = source
-    _check_combinations(cfg)
-    return cfg
+    return Config(**sections, source=source)
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """A YAML preset (its `base:` chain merged under it), then the dotted overrides, validated."""
+    return from_dict(apply_overrides(read_yaml(path), overrides or []), str(path))
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A preset as one mapping: a top-level `base: FILE` (relative to this file) is read first and this
+    file's keys are deep-merged over it, so an arm overlay names only what differs from its scale's base."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml")
+        where = f"{_seen[-1]}: base {path}" if _seen else str(path)
+        raise ConfigError(f"{where}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml")
+    if path.resolve() in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ConfigError(f"{path}: base files form a cycle ({chain}); remove one base: key")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return from_dict(apply_overrides(data, overrides or []), str(path))
+    if "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base: {base!r} must be a file name, e.g. base: base/124m.yaml")
+    return _deep_merge(read_yaml(path.parent / base, (*_seen, path.resolve())), data)
+
+
+def _deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """Mappings merge key by key; anything else (a value, a list) in the overlay replaces the base's."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _check_combinations(cfg: Config) -> None:
-    from pipeline import schedule
-
+    """Every rule across keys, the schedule's included (on cfg.heads_per_layer, parsed once)."""
     src, m, t, p = cfg.source, cfg.model, cfg.train, cfg.parallel
 
     def fail(key: str, msg: str) -> None:
@@ -391,15 +453,12 @@ def _check_combinations(cfg: Config) -> None:
     if m.d_model % m.h_base:
         fail("model.h_base", f"{m.h_base} does not divide model.d_model={m.d_model}")
     cfg.steps(1)  # batch_tokens vs seq_len x micro_batch_size
+    heads = cfg.heads_per_layer
+    if len(heads) != m.num_layers:
+        fail("schedule.heads", f"lists {len(heads)} layers but model.num_layers={m.num_layers}")
     try:
-        n_layers = len(schedule.resolve(cfg.schedule.heads))
-    except schedule.ScheduleError as e:
-        fail("schedule.heads", str(e))
-    if n_layers != m.num_layers:
-        fail("schedule.heads", f"lists {n_layers} layers but model.num_layers={m.num_layers}")
-    try:
-        heads = schedule.validate(
-            schedule.resolve(cfg.schedule.heads),
+        schedule.validate(
+            heads,
             m.d_model,
             m.h_base,
             p.tp,
@@ -410,3 +469,6 @@ def _check_combinations(cfg: Config) -> None:
         fail("schedule.heads", str(e))
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
+    if m.dropout and any(layer.replicated for layer in cfg.layer_plan):
+        # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
+        fail("model.dropout", f"{m.dropout}: parallel.replicate_indivisible_layers needs model.dropout=0")

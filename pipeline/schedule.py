@@ -5,7 +5,7 @@ A uniform Transformer gives every layer ``h_base`` heads of ``d_model / h_base``
 late. Q/K/V/O stay d x d, so parameters and FLOPs do not change (see ``layer_params`` / ``layer_flops``).
 
 A schedule is written as a list of head counts or in compact form, ``"3x2,6x2,8x2,12x6"`` (count x layers).
-Rules (PAPER.md): hard ones are always errors; the paper's guidelines are errors unless a config sets
+Rules (from the paper): hard ones are always errors; the paper's guidelines are errors unless a config sets
 ``allow_guideline_violations`` (so Table 5's ablations stay expressible).
 """
 
@@ -161,6 +161,23 @@ def validate(
     for v in problems:
         warnings.warn(f"schedule {compact(heads)}: allowed {v}", stacklevel=2)
     return heads
+
+
+# --- the per-layer plan: one replication decision for the model, the capture hook and the FLOP counter ---
+@dataclass(frozen=True)
+class LayerPlan:
+    number: int  # 1-based, as megatron's layer_number
+    heads: int
+    head_dim: int
+    replicated: bool  # attention whole on every TP rank: heads not a multiple of TP (opt-in)
+
+
+def plan_layers(
+    heads: Sequence[int], d_model: int, tp: int = 1, *, replicate_indivisible: bool = False
+) -> tuple[LayerPlan, ...]:
+    """Every layer's heads, head dim and whether its attention runs replicated under TP. Without the
+    opt-in an indivisible layer is a 'tensor-parallel' rule violation (``check``), never replicated."""
+    return tuple(LayerPlan(i + 1, h, d_model // h, replicate_indivisible and h % tp != 0) for i, h in enumerate(heads))
 
 
 # --- presets: the paper's schedules (Table 4) and the 124M ablations (Table 5) ------------------------

@@ -80,7 +80,10 @@ def compare(overrides: list[str]) -> dict:
         "ref_maps": ref_maps,
         "tp_maps": tp_maps,  # gathered over TP: all h_l heads of every layer
         "tp_heads": [a.num_attention_heads_per_partition for a in layers],
-        "replicated": [a.replicated for a in layers],
+        "replicated": [a.plan.replicated for a in layers],  # what the module (and capture) read
+        "planned": [p.replicated for p in cfg2.layer_plan],  # what the config decided
+        "tp_group_size": [a.pg_collection.tp.size() for a in layers],
+        "sharded": [a.linear_qkv.weight.tensor_model_parallel for a in layers],
     }
 
 

@@ -1,5 +1,7 @@
-"""Config loading: presets, validation messages, overrides, hash, dump."""
+"""Config loading: presets and their base overlays, validation messages, overrides, hash, dump, the
+per-layer plan, immutability."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,12 @@ def write(tmp_path, data) -> Path:
 
 
 def tiny_dict() -> dict:
-    return yaml.safe_load(Path("configs/tiny_prism.yaml").read_text())
+    return config.read_yaml("configs/tiny_prism.yaml")
+
+
+def differing(a: config.Config, b: config.Config) -> set[str]:
+    x, y = config.flatten(a.to_dict()), config.flatten(b.to_dict())
+    return {k for k in x.keys() | y.keys() if x.get(k) != y.get(k)}
 
 
 def test_all_presets_load():
@@ -58,17 +65,108 @@ def test_paper_presets_carry_the_paper_settings(scale):
         assert cfg.run.arm == arm
     assert arms["prism"].heads_per_layer == schedule.preset(preset)
     assert arms["uniform"].heads_per_layer == (h_base,) * layers
-    # the twins differ only in arm and schedule
-    a, b = (config.flatten(c.to_dict()) for c in arms.values())
-    assert {k for k in a if a[k] != b[k]} == {"run.arm", "schedule.heads"}
+    assert arms["prism"].experiment == arms["uniform"].experiment == f"prism-{scale}"  # one experiment
 
 
-def test_tiny_presets_are_twins():
-    u, p = config.load("configs/tiny_uniform.yaml"), config.load("configs/tiny_prism.yaml")
+def test_tiny_presets_keep_their_shape():
+    p = config.load("configs/tiny_prism.yaml")
     assert (p.model.d_model, p.model.num_layers, p.model.seq_len) == (256, 8, 256)
     assert sorted({p.model.d_model // h for h in p.heads_per_layer}, reverse=True) == [256, 128, 64]
-    a, b = config.flatten(u.to_dict()), config.flatten(p.to_dict())
-    assert {k for k in a if a[k] != b[k]} == {"run.arm", "schedule.heads"}
+
+
+@pytest.mark.parametrize("scale", ["tiny", *PAPER])
+def test_arm_overlays_resolve_to_twins(scale):
+    names = ("tiny_uniform", "tiny_prism") if scale == "tiny" else (f"uniform_{scale}", f"prism_{scale}")
+    u, p = (config.load(f"configs/{n}.yaml") for n in names)
+    assert differing(u, p) == {"run.arm", "schedule.heads"}
+    # each overlay names only the arm and the schedule; everything else comes from its base
+    for name in names:
+        raw = yaml.safe_load(Path(f"configs/{name}.yaml").read_text())
+        assert raw.pop("base").startswith("base/") and raw == {
+            "run": {"arm": raw["run"]["arm"]},
+            "schedule": raw["schedule"],
+        }
+
+
+def test_an_overlay_that_changes_the_model_is_not_a_twin(tmp_path):
+    (tmp_path / "wide.yaml").write_text(
+        "base: " + str(Path("configs/tiny_prism.yaml").resolve()) + "\nmodel: {d_model: 128, ffn_hidden_size: 344}\n"
+    )
+    wide, prism = config.load(tmp_path / "wide.yaml"), config.load("configs/tiny_prism.yaml")
+    assert differing(wide, prism) == {"model.d_model", "model.ffn_hidden_size"}
+    assert wide.model.h_base == 4 and wide.layer_plan[0].head_dim == 128  # merged, not replaced
+
+
+# --- base: overlays -----------------------------------------------------------------------------------
+def test_base_is_deep_merged_relative_to_the_file_and_overrides_come_last(tmp_path):
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "bases" / "root.yaml").write_text(yaml.safe_dump(tiny_dict()))
+    (tmp_path / "bases" / "mid.yaml").write_text(
+        "base: root.yaml\ntrain: {lr: 1.0e-3}\ntracking: {milestones: [9.0]}\n"
+    )
+    (tmp_path / "arm.yaml").write_text("base: bases/mid.yaml\ntrain: {min_lr: 1.0e-4}\n")
+    cfg = config.load(tmp_path / "arm.yaml", ["train.lr=5e-4"])
+    tiny = config.load("configs/tiny_prism.yaml")
+    assert (cfg.train.lr, cfg.train.min_lr) == (5e-4, 1e-4)  # the override wins over both files
+    assert cfg.train.batch_tokens == tiny.train.batch_tokens  # siblings of a merged key survive
+    assert cfg.tracking.milestones == (9.0,)  # a list is replaced, not appended to
+    assert differing(cfg, tiny) == {"train.lr", "train.min_lr", "tracking.milestones"}
+    assert cfg.source == str(tmp_path / "arm.yaml") and "base" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"c.yaml": "base: nope.yaml\n"}, "c.yaml: base {d}/nope.yaml: config file not found"),
+        ({"c.yaml": "base: d.yaml\n", "d.yaml": "base: c.yaml\n"}, "c.yaml: base files form a cycle"),
+        ({"c.yaml": "base: c.yaml\n"}, "c.yaml: base files form a cycle"),
+        ({"c.yaml": "base: d.yaml\n", "d.yaml": "- a list\n"}, "d.yaml: the top level must be a mapping"),
+        ({"c.yaml": "base: [d.yaml]\n"}, "c.yaml: base: ['d.yaml'] must be a file name"),
+        ({"c.yaml": "base: d.yaml\n", "d.yaml": "model: [unclosed\n"}, "d.yaml: not valid YAML"),
+    ],
+)
+def test_bad_base_gives_one_line_naming_the_file(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config.load(tmp_path / "c.yaml")
+    assert "\n" not in str(e.value) and message.format(d=tmp_path) in str(e.value)
+    assert str(e.value).startswith(str(tmp_path))
+
+
+# --- one parse, one plan, immutable ---------------------------------------------------------------------
+def test_loaded_config_is_immutable_and_the_schedule_is_parsed_once(monkeypatch):
+    cfg = config.load("configs/tiny_prism.yaml")
+    for section, key, value in (("train", "lr", 1.0), ("parallel", "tp", 2)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(getattr(cfg, section), key, value)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.source = "elsewhere"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.heads_per_layer = (4,) * 8
+    assert cfg.tracking.milestones == (7.0, 6.5, 6.0, 5.5, 5.0)  # a tuple: no append either
+    # a stored value, not a property that parses again on every read
+    monkeypatch.setattr(schedule, "parse", lambda *a: pytest.fail("schedule parsed after load"))
+    assert cfg.heads_per_layer == (1, 1, 2, 2, 4, 4, 4, 4) and len(cfg.layer_plan) == 8
+    assert "heads_per_layer" not in cfg.to_dict() and "layer_plan" not in cfg.dump()
+
+
+@pytest.mark.parametrize(
+    "overrides, replicated",
+    [
+        ([], []),
+        (["parallel.tp=2", "parallel.replicate_indivisible_layers=true"], [1, 2]),  # the 1-head layers
+        (["parallel.tp=4", "parallel.replicate_indivisible_layers=true"], [1, 2, 3, 4]),
+        (["parallel.tp=2", "schedule.heads=2x2,4x6", "parallel.replicate_indivisible_layers=true"], []),
+        (["parallel.tp=2", "schedule.heads=2x2,4x6"], []),
+    ],
+)
+def test_layer_plan_decides_replication_once(overrides, replicated):
+    cfg = config.load("configs/tiny_prism.yaml", overrides)
+    assert [layer.number for layer in cfg.layer_plan if layer.replicated] == replicated
+    assert [layer.heads for layer in cfg.layer_plan] == list(cfg.heads_per_layer)
+    assert [layer.head_dim * layer.heads for layer in cfg.layer_plan] == [cfg.model.d_model] * 8
+    assert [layer.number for layer in cfg.layer_plan] == list(range(1, 9))
 
 
 @pytest.mark.parametrize(
@@ -102,6 +200,15 @@ def test_tiny_presets_are_twins():
         ),
         (lambda d: d["run"].update(arm="uniform"), "run.arm: 'uniform' needs a constant schedule"),
         (lambda d: d.pop("data"), "data: missing required key"),
+        (lambda d: d["schedule"].update(heads="no-such-preset"), "schedule.heads: cannot read schedule part"),
+        (lambda d: d["tracking"].update(milestones=["x"]), "tracking.milestones[0]: 'x' has the wrong type"),
+        (
+            lambda d: (
+                d["parallel"].update(tp=2, replicate_indivisible_layers=True),
+                d["model"].update(dropout=0.1),
+            ),
+            "model.dropout: 0.1: parallel.replicate_indivisible_layers needs model.dropout=0",
+        ),
     ],
 )
 def test_bad_configs_give_one_line_naming_file_and_key(tmp_path, mutate, message):
@@ -129,7 +236,7 @@ def test_overrides_and_hash():
     over = config.load(
         "configs/tiny_prism.yaml", ["train.lr=3e-4", "schedule.heads=2x4,4x4", "tracking.milestones=[5.0]"]
     )
-    assert over.train.lr == 3e-4 and over.heads_per_layer == (2,) * 4 + (4,) * 4 and over.tracking.milestones == [5.0]
+    assert over.train.lr == 3e-4 and over.heads_per_layer == (2,) * 4 + (4,) * 4 and over.tracking.milestones == (5.0,)
     assert base.hash() == config.load("configs/tiny_prism.yaml").hash()
     assert base.hash() != over.hash()
     with pytest.raises(ConfigError, match="write it as section.key=value"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -154,24 +155,37 @@ PAPER = {"124m": 124e6, "354m": 354e6, "757m": 757e6}
 
 
 @pytest.mark.parametrize("scale", ["tiny", "124m", "354m", "757m"])
-def test_uniform_and_prism_have_identical_parameters(scale):
-    from pipeline.model import build_model
-    from pipeline.model.cli import uniform_twin
+def test_both_arms_build_the_parameters_the_schedule_arithmetic_predicts(scale):
+    """Each arm's built modules (meta device) against schedule.layer_params for that layer's own h_l:
+    a layer built with the wrong head count or head dim has a QKV that is not d x 3d and fails here."""
+    from pipeline.model import build_model, padded_vocab_size
 
-    prism = config.load(TINY if scale == "tiny" else f"configs/prism_{scale}.yaml")
-    uniform = uniform_twin(prism)
+    arms = ("tiny_prism", "tiny_uniform") if scale == "tiny" else (f"prism_{scale}", f"uniform_{scale}")
+    prism, uniform = (config.load(f"configs/{name}.yaml") for name in arms)
     assert len(set(prism.heads_per_layer)) > 1 and len(set(uniform.heads_per_layer)) == 1
     distributed.init_model_parallel(1, prism.run.seed)
-    counts = []
+    totals = []
     for cfg in (prism, uniform):
+        m = cfg.model
         model = build_model(cfg, meta=True)
-        counts.append(
-            [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
-            + [sum(p.numel() for p in model.parameters())]
-        )
-    assert counts[0] == counts[1]
+        for layer, plan in zip(model.decoder.layers, cfg.layer_plan, strict=True):
+            attn = layer.self_attention
+            assert (attn.num_attention_heads_per_partition, attn.hidden_size_per_attention_head) == (
+                plan.heads,
+                plan.head_dim,
+            )
+            assert attn.linear_qkv.weight.shape == (3 * m.d_model, m.d_model)
+            norm_biases = 2 * m.d_model  # LayerNorm biases; schedule.layer_params counts weights only
+            assert sum(p.numel() for p in layer.parameters()) == norm_biases + schedule.layer_params(
+                m.d_model, m.ffn_hidden_size, plan.heads
+            )
+        total = sum(p.numel() for p in model.parameters())
+        per_layer = schedule.layer_params(m.d_model, m.ffn_hidden_size, m.h_base) + 2 * m.d_model
+        assert total == padded_vocab_size(cfg) * m.d_model + m.num_layers * per_layer + 2 * m.d_model  # + final norm
+        totals.append(total)
+    assert totals[0] == totals[1]
     if scale in PAPER:
-        assert abs(counts[0][-1] / PAPER[scale] - 1) < 0.01, counts[0][-1]
+        assert abs(totals[0] / PAPER[scale] - 1) < 0.01, totals[0]
 
 
 def test_flops_per_token_counts_every_layer_and_the_padded_vocab():
@@ -190,20 +204,16 @@ def test_flops_per_token_counts_every_layer_and_the_padded_vocab():
 
 
 # --- refusals ---------------------------------------------------------------------------------------------
-def test_schedule_breaking_tp_rule_is_refused_before_weights(tiny_model, monkeypatch):
-    from megatron.core.models.gpt import gpt_model
-
-    from pipeline.model import build_model
-
-    with pytest.raises(ConfigError, match=r"schedule\.heads.*multiple of 2"):
-        load(TINY, "parallel.tp=2")
-    cfg = load()
-    cfg.parallel.tp = 2  # bypass the loader: the model builder checks on its own
-    built = []
-    monkeypatch.setattr(gpt_model.GPTModel, "__init__", lambda self, *a, **k: built.append(1))
+def test_schedule_breaking_tp_rule_is_refused_before_weights():
     with pytest.raises(ConfigError, match=r"schedule\.heads.*multiple of 2") as e:
-        build_model(cfg)
-    assert built == [] and "\n" not in str(e.value)
+        load(TINY, "parallel.tp=2")
+    assert "\n" not in str(e.value)
+    # the loader is the one gate: a loaded config cannot be changed past it, only derived through it
+    cfg = load()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.tp = 2
+    with pytest.raises(ConfigError, match=r"schedule\.heads.*multiple of 2"):
+        config.from_dict(config.apply_overrides(cfg.to_dict(), ["parallel.tp=2"]), cfg.source)
 
 
 def test_tp_size_must_match_the_initialised_groups(tiny_model):
@@ -214,18 +224,16 @@ def test_tp_size_must_match_the_initialised_groups(tiny_model):
         build_model(cfg)
 
 
-def test_schedule_module_and_model_agree_on_layer_params(tiny_model):
+def test_attention_modules_read_the_layer_plan(tiny_model):
     cfg, model = tiny_model
-    m = cfg.model
-    for layer, h in zip(model.decoder.layers, cfg.heads_per_layer):
-        norm_biases = 2 * m.d_model  # LayerNorm biases; schedule.layer_params counts weights only
-        expected = schedule.layer_params(m.d_model, m.ffn_hidden_size, h) + norm_biases
-        assert sum(p.numel() for p in layer.parameters()) == expected
+    attns = [layer.self_attention for layer in model.decoder.layers]
+    assert [a.plan for a in attns] == list(cfg.layer_plan)
+    assert [a.config.kv_channels for a in attns] == [p.head_dim for p in cfg.layer_plan]  # RoPE table size
+    assert all(a.linear_qkv.weight.tensor_model_parallel for a in attns)  # TP=1: nothing replicated
 
 
 def test_replication_is_opt_in_and_its_extra_flops_are_counted(tiny_model, caplog):
-    from pipeline.model import build_model
-    from pipeline.model.gpt import replicated_layers, replication_overhead
+    from pipeline.model.gpt import replicated_layers, replication_overhead, transformer_config
 
     cfg = load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true")
     assert replicated_layers(cfg) == [1, 2]  # the two 1-head layers
@@ -233,8 +241,11 @@ def test_replication_is_opt_in_and_its_extra_flops_are_counted(tiny_model, caplo
     per_layer = 3 * (2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len)  # projections + attention, fwd+bwd
     assert replication_overhead(cfg) == 2 * per_layer // 2  # each rank does the other rank's half too
     assert replication_overhead(load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")) == 0
-    with pytest.raises(ConfigError, match="model.dropout"):
-        build_model(load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1"))
+    with pytest.raises(ConfigError, match="model.dropout"):  # replicas would draw different dropout masks
+        load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1")
+    # the replicated layers' per-layer megatron config asks for no TP split; the others keep TP=2
+    tcfg = transformer_config(cfg, meta=True)
+    assert [tcfg.get_config_for_layer(n).tensor_model_parallel_size for n in range(1, 9)] == [1, 1] + [2] * 6
 
 
 def test_model_report_cli_proves_neutrality_for_757m(tiny_model, capsys):

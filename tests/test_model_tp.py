@@ -33,9 +33,13 @@ def test_tp2_matches_tp1(tmp_path):
     results = torch.load(out)
     # the TP=2 models really are split: half of each layer's heads per rank, except replicated layers
     assert results["split"]["tp_heads"] == [1, 1, 2, 2, 2, 2, 2, 2]
-    assert results["split"]["replicated"] == [False] * 8
+    assert results["split"]["replicated"] == results["split"]["planned"] == [False] * 8
+    assert results["split"]["tp_group_size"] == [2] * 8 and all(results["split"]["sharded"])
+    # the 1-head layers the plan replicates: a 1-rank TP group, whole weights not marked as TP shards
     assert results["replicated"]["tp_heads"] == [1, 1, 1, 1, 2, 2, 2, 2]
-    assert results["replicated"]["replicated"] == [True, True] + [False] * 6
+    assert results["replicated"]["replicated"] == results["replicated"]["planned"] == [True, True] + [False] * 6
+    assert results["replicated"]["tp_group_size"] == [1, 1] + [2] * 6
+    assert results["replicated"]["sharded"] == [False, False] + [True] * 6
     for name, r in results.items():
         torch.testing.assert_close(r["tp_logits"], r["ref_logits"], atol=1e-5, rtol=1e-5, msg=name)
         torch.testing.assert_close(r["tp_loss"], r["ref_loss"], atol=1e-6, rtol=1e-6, msg=name)

@@ -18,6 +18,19 @@ def prism(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True)
 
 
+def brute_force_124m() -> set[tuple[int, ...]]:
+    """Every 124M-shaped schedule (6 free layers over the divisors with d_h <= 256, then 6 x h_base) that
+    breaks no rule: the valid set found without the enumerator."""
+    import itertools
+
+    found = set()
+    for combo in itertools.product((3, 6, 8, 12), repeat=6):
+        heads = tuple(combo) + (12,) * 6
+        if not schedule.check(heads, 768, 12):
+            found.add(heads)
+    return found
+
+
 def test_parse_compact_and_list_agree():
     assert schedule.parse("3x2,6x2,8x2,12x6") == (3, 3, 6, 6, 8, 8) + (12,) * 6
     assert schedule.parse("3,3,6") == (3, 3, 6)
@@ -104,19 +117,29 @@ def test_enumeration_is_exactly_the_valid_set(name):
         assert schedule.check(heads, d, h_base) == [], heads
     # brute force over small candidate sets for the 124M shape agrees with the enumerator
     if name == "paper-124m":
-        import itertools
-
-        brute = set()
-        for combo in itertools.product((3, 6, 8, 12), repeat=6):
-            heads = tuple(combo) + (12,) * 6
-            if not schedule.check(heads, d, h_base):
-                brute.add(heads)
-        assert brute == set(found)
+        assert brute_force_124m() == set(found)
 
 
 def test_enumeration_respects_tp():
-    for heads in schedule.enumerate_valid(1536, 24, 16, tp=4):
-        assert all(h % 4 == 0 for h in heads)
+    every = set(schedule.enumerate_valid(1536, 24, 16))
+    at_tp4 = set(schedule.enumerate_valid(1536, 24, 16, tp=4))
+    assert at_tp4 == {heads for heads in every if all(h % 4 == 0 for h in heads)}
+    assert (16,) * 24 in at_tp4 and schedule.preset("paper-757m") not in at_tp4  # 6 heads: not at TP=4
+
+
+def test_layer_plan_replicates_only_indivisible_layers_and_only_on_request():
+    heads = (1, 1, 2, 2, 4, 4, 4, 4)
+    plan = schedule.plan_layers(heads, 256, tp=2, replicate_indivisible=True)
+    assert [(p.number, p.heads, p.head_dim, p.replicated) for p in plan[:3]] == [
+        (1, 1, 256, True),
+        (2, 1, 256, True),
+        (3, 2, 128, False),
+    ]
+    assert [p.replicated for p in schedule.plan_layers(heads, 256, tp=4, replicate_indivisible=True)] == [True] * 4 + [
+        False
+    ] * 4
+    assert not any(p.replicated for p in schedule.plan_layers(heads, 256, tp=2))  # no opt-in: never
+    assert not any(p.replicated for p in schedule.plan_layers(heads, 256, tp=1, replicate_indivisible=True))
 
 
 def test_flops_and_params_do_not_depend_on_heads():
@@ -152,6 +175,7 @@ def test_cli_show_prints_equal_totals_for_757m():
 def test_cli_enumerate_counts():
     out = prism("schedule", "enumerate", "--d-model", "768", "--layers", "12", "--h-base", "12")
     assert out.returncode == 0
-    count = len(list(schedule.enumerate_valid(768, 12, 12)))
-    assert out.stdout.strip().splitlines()[-1].startswith(f"{count} valid schedules")
-    assert len(out.stdout.strip().splitlines()) == count + 1
+    *listed, last = out.stdout.strip().splitlines()
+    brute = brute_force_124m()
+    assert last.startswith(f"{len(brute)} valid schedules") and len(listed) == len(brute)
+    assert {schedule.parse(line) for line in listed} == brute

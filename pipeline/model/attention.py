@@ -10,7 +10,6 @@ dims needs only two things here:
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -36,20 +35,18 @@ def _angles(head_dim: int, seq_len: int, base: float, device: torch.device) -> t
 class PrismSelfAttention(SelfAttention):
     """megatron SelfAttention that applies RoPE with a table for its own head dim (kv_channels).
 
-    A layer whose head count TP cannot split (only with parallel.replicate_indivisible_layers) gets a
-    1-rank "TP group": its QKV/O weights and attention are whole on every TP rank, no collectives run, and
-    the identical replicas see identical inputs and gradients."""
+    A layer the plan marks replicated (``config.layer_plan``; only with parallel.replicate_indivisible_layers)
+    gets a 1-rank "TP group": its QKV/O weights and attention are whole on every TP rank, no collectives run,
+    and the identical replicas see identical inputs and gradients."""
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None, pg_collection=None):
         from megatron.core.transformer.enums import AttnMaskType
 
-        self.replicated = False
-        if pg_collection is not None and config.num_attention_heads % pg_collection.tp.size():
-            from pipeline import compat
+        from pipeline import compat
 
-            pg_collection = copy.copy(pg_collection)
-            pg_collection.tp = compat.single_rank_groups()[torch.distributed.get_rank()]
-            self.replicated = True
+        self.plan = config.layer_plan[layer_number - 1]  # this layer's heads, head dim, replication
+        if self.plan.replicated:
+            pg_collection = compat.replicated_attention_groups(pg_collection)
         super().__init__(
             config,
             submodules,
@@ -58,10 +55,8 @@ class PrismSelfAttention(SelfAttention):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
-        if self.replicated:
-            for p in self.parameters():
-                # not a TP shard: DeepSpeed's grad norm then counts it once, not once per TP rank
-                p.tensor_model_parallel = False
+        if self.plan.replicated:
+            compat.mark_replicated(self.parameters())
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         seq_len = hidden_states.shape[0]  # [s, b, d]; no sequence parallelism

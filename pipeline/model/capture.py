@@ -39,7 +39,7 @@ def capture_attention(model):
         core = module.core_attention
         scale = getattr(core, "softmax_scale", None)
 
-        def hook(_mod, args, _layer=module.layer_number, _scale=scale, _whole=module.replicated):
+        def hook(_mod, args, _layer=module.plan.number, _scale=scale, _whole=module.plan.replicated):
             with torch.no_grad():
                 probs = _probs(args[0], args[1], _scale)
                 captured[_layer] = probs if _whole else tp_all_gather(probs, dim=1)  # replicas hold all heads

@@ -2,7 +2,8 @@
 
 The whole Prism change is `PrismTransformerConfig.get_config_for_layer`: megatron's TransformerBlock asks it
 for every layer's config when `heterogeneous_block_specs` is set, and layer l gets h_l heads of
-d_model / h_l dims. Q, K, V and O stay d x d, so parameters and (non-attention) FLOPs do not move.
+d_model / h_l dims, read from the config's `layer_plan` (made once when the config loads). Q, K, V and O
+stay d x d, so parameters and (non-attention) FLOPs do not move.
 The uniform arm is the same code with a constant schedule.
 """
 
@@ -27,36 +28,30 @@ log = logging.getLogger(__name__)
 class PrismTransformerConfig(TransformerConfig):
     """TransformerConfig whose layers each get their own head count (and head dim)."""
 
-    heads_per_layer: tuple[int, ...] = ()
+    layer_plan: tuple[schedule.LayerPlan, ...] = ()  # Config.layer_plan; the attention module reads it too
     rope_base: float = 10000.0  # one rotary table per distinct head dim (attention.rope_table)
-    # Opt-in: layers whose h_l is not a multiple of TP run their attention unsplit on every TP rank.
-    replicate_indivisible_layers: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        if len(self.heads_per_layer) != self.num_layers:
-            raise ValueError(f"heads_per_layer has {len(self.heads_per_layer)} entries for {self.num_layers} layers")
+        if len(self.layer_plan) != self.num_layers:
+            raise ValueError(f"layer_plan has {len(self.layer_plan)} entries for {self.num_layers} layers")
         self.heterogeneous_block_specs = True
 
     def get_config_for_layer(self, layer_number: int) -> TransformerConfig:
-        heads = self.heads_per_layer[layer_number - 1]  # layer_number is 1-based
-        tp = self.tensor_model_parallel_size
-        if heads % tp and self.replicate_indivisible_layers:
-            tp = 1  # only the attention is replicated (PrismSelfAttention); megatron checks heads % tp
+        layer = self.layer_plan[layer_number - 1]  # layer_number is 1-based
         return dataclasses.replace(
             self,
-            num_attention_heads=heads,
-            num_query_groups=heads,
-            kv_channels=self.hidden_size // heads,
-            tensor_model_parallel_size=tp,
+            num_attention_heads=layer.heads,
+            num_query_groups=layer.heads,
+            kv_channels=layer.head_dim,
+            # only the attention is replicated (PrismSelfAttention); megatron checks heads % tp
+            tensor_model_parallel_size=1 if layer.replicated else self.tensor_model_parallel_size,
         )
 
 
 def replicated_layers(cfg: Config) -> list[int]:
-    """1-based layers whose attention runs replicated on every TP rank (opt-in, indivisible h_l)."""
-    if not cfg.parallel.replicate_indivisible_layers:
-        return []
-    return [i + 1 for i, h in enumerate(cfg.heads_per_layer) if h % cfg.parallel.tp]
+    """1-based layers whose attention runs replicated on every TP rank (from cfg.layer_plan)."""
+    return [layer.number for layer in cfg.layer_plan if layer.replicated]
 
 
 def replication_overhead(cfg: Config) -> int:
@@ -64,9 +59,10 @@ def replication_overhead(cfg: Config) -> int:
     projections and attention run in full on every rank instead of 1/TP of them."""
     m, tp = cfg.model, cfg.parallel.tp
     extra = 0
-    for layer in replicated_layers(cfg):
-        f = schedule.layer_flops(m.d_model, m.ffn_hidden_size, cfg.heads_per_layer[layer - 1], m.seq_len)
-        extra += 3 * (f["projections"] + f["attention"]) * (tp - 1) // tp
+    for layer in cfg.layer_plan:
+        if layer.replicated:
+            f = schedule.layer_flops(m.d_model, m.ffn_hidden_size, layer.heads, m.seq_len)
+            extra += 3 * (f["projections"] + f["attention"]) * (tp - 1) // tp
     return extra
 
 
@@ -107,7 +103,7 @@ def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerCo
         num_attention_heads=m.h_base,  # model-level values = the baseline; layers override
         num_query_groups=m.h_base,
         kv_channels=m.d_model // m.h_base,
-        heads_per_layer=tuple(cfg.heads_per_layer),
+        layer_plan=cfg.layer_plan,
         tensor_model_parallel_size=cfg.parallel.tp,
         normalization="RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=m.norm_eps,
@@ -118,7 +114,6 @@ def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerCo
         attention_dropout=m.dropout,
         init_method_std=m.init_std,
         rope_base=m.rope_base,
-        replicate_indivisible_layers=cfg.parallel.replicate_indivisible_layers,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not on_cuda or meta,
@@ -154,27 +149,12 @@ def layer_spec(cfg: Config, *, allow_te: bool = True):
     return spec
 
 
-def check_buildable(cfg: Config) -> None:
-    """Refuse, before any weight exists, a schedule the TP size cannot split."""
+def check_tp_groups(cfg: Config) -> None:
+    """Refuse, before any weight exists, a TP size the initialised process groups do not have (the
+    schedule itself was validated when the config loaded)."""
     from megatron.core import parallel_state
 
-    m, tp = cfg.model, cfg.parallel.tp
-    try:
-        schedule.validate(
-            cfg.heads_per_layer,
-            m.d_model,
-            m.h_base,
-            tp,
-            allow_guideline_violations=cfg.schedule.allow_guideline_violations,
-            replicate_indivisible=cfg.parallel.replicate_indivisible_layers,
-        )
-    except schedule.ScheduleError as e:
-        raise ConfigError(f"{cfg.source}: schedule.heads: {e}") from None
-    if replicated_layers(cfg) and m.dropout:
-        # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
-        raise ConfigError(
-            f"{cfg.source}: model.dropout={m.dropout}: parallel.replicate_indivisible_layers needs model.dropout=0"
-        )
+    tp = cfg.parallel.tp
     if parallel_state.model_parallel_is_initialized():
         world_tp = parallel_state.get_tensor_model_parallel_world_size()
         if world_tp != tp:
@@ -192,7 +172,7 @@ def build_model(cfg: Config, *, meta: bool = False):
 
     from pipeline import compat
 
-    check_buildable(cfg)
+    check_tp_groups(cfg)
     compat.apply_cpu_shims()
     if replicated_layers(cfg):
         compat.single_rank_groups()  # collective: every rank creates every 1-rank group, in order
