@@ -1,6 +1,6 @@
 """Every megatron-core (and, below, DeepSpeed) quirk in one place.
 
-Megatron-core assumes CUDA in a few spots (STACK.md lists them). On a CPU-only torch we swap in small
+Megatron-core assumes CUDA in a few spots (listed below). On a CPU-only torch we swap in small
 CPU equivalents, and only then: with CUDA present nothing here patches anything.
 
   1. `model_parallel_cuda_manual_seed` / the RNG tracker use `torch.cuda` RNG states -> a CPU tracker;
@@ -154,7 +154,7 @@ def mark_replicated(parameters) -> None:
 
 
 # ======================================================================================================
-# DeepSpeed (trainer, issue 5): the mpu adapter, the CPU comm-op build skip, environment defaults.
+# DeepSpeed: the mpu adapter, the CPU comm-op build skip, environment defaults.
 # ======================================================================================================
 class MegatronMpu:
     """The ``mpu`` object ``deepspeed.initialize`` expects, answered from megatron's parallel_state.
