@@ -1,11 +1,13 @@
 """The Prism head schedule: parsing, rules, guidelines, presets, enumeration, and the CLI verbs."""
 
-import subprocess
-import sys
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 
 import pytest
 
 from pipeline import schedule
+from pipeline.cli import main
 
 PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
     "paper-124m": (768, 12, 12),
@@ -14,8 +16,12 @@ PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
 }
 
 
-def prism(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True)
+def prism(*args: str) -> SimpleNamespace:
+    """`prism ARGS` in this process: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def brute_force_124m() -> set[tuple[int, ...]]:
@@ -179,3 +185,15 @@ def test_cli_enumerate_counts():
     brute = brute_force_124m()
     assert last.startswith(f"{len(brute)} valid schedules") and len(listed) == len(brute)
     assert {schedule.parse(line) for line in listed} == brute
+
+
+def test_cli_validate_a_config_file():
+    ok = prism("schedule", "validate", "configs/prism_757m.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "6x3,12x3,16x18 is valid" in ok.stdout
+    # --heads replaces the config's schedule; a schedule the config's shape forbids is exit 2, one line
+    bad = prism("schedule", "validate", "configs/tiny_prism.yaml", "--heads", "4x4,2x4")
+    assert bad.returncode == 2 and "monotonic" in bad.stderr and bad.stdout == ""
+    # the tiny Prism schedule's 1-head layers cannot be split over 2 tensor-parallel ranks
+    tp = prism("schedule", "validate", "configs/tiny_prism.yaml", "--tp", "2")
+    assert tp.returncode == 2 and "tensor-parallel" in tp.stderr and "layer(s) 1, 2" in tp.stderr
