@@ -149,14 +149,16 @@ def test_layer_plan_replicates_only_indivisible_layers_and_only_on_request():
 
 
 def test_flops_and_params_do_not_depend_on_heads():
+    d, ffn, seq = 768, 2048, 1024
+    # written out by hand: QKV + output projection, SwiGLU's three matrices, two norm weights; per-token
+    # forward FLOPs with h_l * d_h = d_model in the attention term
+    params = 4 * d * d + 3 * d * ffn + 2 * d
+    flops = {"projections": 2 * 4 * d * d, "attention": 2 * 2 * d * seq, "mlp": 2 * 3 * d * ffn}
     for h in (3, 6, 8, 12):
-        assert schedule.layer_params(768, 2048, h) == schedule.layer_params(768, 2048, 12)
-        assert schedule.layer_flops(768, 2048, h, 1024) == schedule.layer_flops(768, 2048, 12, 1024)
+        assert schedule.layer_params(d, ffn, h) == params
+        assert schedule.layer_flops(d, ffn, h, seq) == flops
     # but the counter does see a changed shape
-    assert (
-        schedule.layer_flops(768, 2048, 12, 2048)["attention"]
-        == 2 * schedule.layer_flops(768, 2048, 12, 1024)["attention"]
-    )
+    assert schedule.layer_flops(d, ffn, 12, 2 * seq)["attention"] == 2 * flops["attention"]
 
 
 def test_cli_validate_exit_codes():
