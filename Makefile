@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo clean-demo bench
+.PHONY: setup test test-unit lint demo clean-demo bench
 
 setup: $(STAMP)
 
@@ -18,8 +18,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# ruff, then the unit suite, then the integration suite; `make test-unit` is the fast loop (< 60 s).
 test: lint
-	bash ops/run_tests.sh
+	VENV=$(VENV) bash ops/run_tests.sh all
+
+test-unit: setup
+	VENV=$(VENV) bash ops/run_tests.sh unit
 
 demo: setup
 	$(VENV)/bin/prism demo

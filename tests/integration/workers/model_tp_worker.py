@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_model_tp.py: the same weights at TP=1 and TP=2 give the same output.
+"""torchrun worker for tests/integration/test_model_tp.py: the same weights at TP=1 and TP=2 give the same output.
 
 Run with 2 processes (gloo): builds the TP=1 model on every rank, records logits, loss and grads, then
 re-initialises megatron with TP=2, loads the TP=1 weights split into shards and records the same.

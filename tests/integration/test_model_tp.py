@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tp2_matches_tp1(tmp_path):
@@ -25,7 +25,7 @@ def test_tp2_matches_tp1(tmp_path):
         "--standalone",
         "--nproc_per_node",
         "2",
-        str(ROOT / "tests" / "model_tp_worker.py"),
+        str(ROOT / "tests" / "integration" / "workers" / "model_tp_worker.py"),
         str(out),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline import config, schedule
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCH_TOKENS = 1024  # 8 sequences of 128: one optimizer step per micro-batch, a few seconds per step
 
 

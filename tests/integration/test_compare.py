@@ -33,7 +33,7 @@ def first_reach(run, x):
 
 
 def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, capsys):
-    from tests.conftest import TRACKED_MILESTONES
+    from tests.fixtures.tracked_runs import TRACKED_MILESTONES
 
     out = tmp_path / "report"
     args = [

@@ -8,8 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ from data_prep.tokenize_to_shards import encode_tar
 from pipeline import config, data, dataset
 from pipeline.dataset import DataError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_cfg(tiny_data, *extra: str, preset: str = "tiny_prism.yaml") -> config.Config:
@@ -145,36 +143,12 @@ def test_refuses_corrupted_and_truncated_shards(tiny_data, dataset_copy):
     assert other.name in str(err.value)
 
 
-def test_refuses_mismatched_tokenizer_vocab_and_seq_len(tiny_data, tmp_path):
+def test_refuses_mismatched_vocab_and_seq_len(tiny_data):
     with pytest.raises(DataError, match="seq_len=128 but model.seq_len=64"):
         data.check_compatible(dataset.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.seq_len=64"))
     vocab = dataset.read_manifest(tiny_data.dataset_dir)["tokenizer"]["vocab_size"]
     with pytest.raises(DataError, match=f"vocab_size={vocab} exceeds model.vocab_size=100"):
         data.check_compatible(dataset.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.vocab_size=100"))
-    # another tokenizer file: refused by `prism train` itself, one line, exit 2
-    other = tmp_path / "other-tokenizer.json"
-    other.write_bytes(Path(tiny_data.tokenizer).read_bytes() + b" ")
-    assert hashlib.sha256(other.read_bytes()).hexdigest() != hashlib.sha256(Path(tiny_data.tokenizer).read_bytes())
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "train",
-            str(ROOT / "configs/tiny_prism.yaml"),
-            *tiny_data.overrides,
-            f"data.tokenizer={other}",
-            f"run.output_dir={tmp_path / 'runs'}",
-            "tracking.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
-    err_lines = [line for line in out.stderr.splitlines() if line.startswith("prism train: error:")]
-    assert len(err_lines) == 1 and "different tokenizer" in err_lines[0] and str(other) in err_lines[0]
 
 
 # --- the dataset format (pipeline.dataset) ----------------------------------------------------------------

@@ -7,6 +7,7 @@ and (through an in-process plain-PyTorch loop over the same global batch) for DP
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import pytest
 from pipeline import checkpoint, config
 from pipeline.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "tiny_prism.yaml"
 STEPS, CKPT_EVERY = 6, 3
 # 4 layers, 2 x 128 tokens per micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
@@ -119,121 +120,36 @@ def reference(tiny_data, tmp_path_factory):
     return out, metrics(out), log.stdout
 
 
-# --- unit: schedule and optimizer groups ----------------------------------------------------------------
-def test_lr_schedule_values():
-    from pipeline.train import lr_at
-
-    lr, low = 1e-3, 1e-4
-    assert lr_at(0, 100, 10, lr, low) == pytest.approx(1e-4)  # first step is not 0
-    assert lr_at(4, 100, 10, lr, low) == pytest.approx(5e-4)
-    assert lr_at(9, 100, 10, lr, low) == pytest.approx(lr)
-    assert lr_at(10, 100, 10, lr, low) == pytest.approx(lr)  # cosine starts at the peak
-    assert lr_at(55, 100, 10, lr, low) == pytest.approx((lr + low) / 2)  # half-way through the decay
-    assert lr_at(100, 100, 10, lr, low) == pytest.approx(low)
-    values = [lr_at(s, 100, 10, lr, low) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(values, values[1:])) and min(values) >= low
-    assert lr_at(0, 5, 0, lr, low) == pytest.approx(lr)  # no warmup
-
-
-def test_weight_decay_groups_exclude_norms_and_embeddings(tiny_data):
-    import torch
-
-    from pipeline import distributed
-    from pipeline.model import build_model
-    from pipeline.train import make_optimizer
-
-    cfg = config.load(PRESET, [*tiny_data.overrides, *SMALL])
-    distributed.init_model_parallel(1, cfg.run.seed)
-    model = build_model(cfg)
-    opt = make_optimizer(cfg, model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    decay, no_decay = opt.param_groups
-    assert decay["weight_decay"] == cfg.train.weight_decay > 0 and no_decay["weight_decay"] == 0.0
-    assert (decay["betas"], decay["eps"]) == ((cfg.train.beta1, cfg.train.beta2), cfg.train.eps)
-    decayed = {names[id(p)] for p in decay["params"]}
-    kept = {names[id(p)] for p in no_decay["params"]}
-    assert decayed | kept == set(names.values()) and not decayed & kept
-    assert any("word_embeddings" in n for n in kept) and not any("embedding" in n for n in decayed)
-    assert any("norm" in n for n in kept) and all(model.get_parameter(n).ndim >= 2 for n in decayed)
-    assert any("linear_qkv.weight" in n for n in decayed) and any("linear_fc2.weight" in n for n in decayed)
-    # What the groups do: with zero gradients AdamW's update is 0 and only its decoupled decay moves a weight,
-    # by exactly p * lr * wd for the decayed group; the others stay put (an L2-style Adam would move them all).
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    shrink = 1 - cfg.train.lr * cfg.train.weight_decay
-    for n, p in model.named_parameters():
-        want = before[n] * shrink if n in decayed else before[n]
-        assert torch.equal(p.detach(), want), n
-    assert all(not torch.equal(model.get_parameter(n).detach(), before[n]) for n in decayed)
-
-
-def test_train_state_round_trip_restores_counters_loader_and_every_rng():
-    import pickle
-    import random
-
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
-
-    from pipeline import distributed
-    from pipeline.checkpoint import TrainState
-
-    class Loader:
-        def __init__(self, position: dict) -> None:
-            self.position = position
-
-        def state_dict(self) -> dict:
-            return dict(self.position)
-
-        def load_state_dict(self, state: dict) -> None:
-            self.position = dict(state)
-
-    def draws() -> tuple:
-        with tensor_parallel.get_cuda_rng_tracker().fork():  # the TP-region dropout stream
-            tp_region = torch.rand(3).tolist()
-        return random.random(), float(np.random.rand()), torch.rand(3).tolist(), tp_region
-
-    distributed.init_model_parallel(1, seed=5)
-    saved = TrainState(step=7, tokens_seen=7 * 1024, run_id="run-abc", loader=Loader({"shard": 3, "row": 11}))
-    # pickled, as the checkpoint's gather across ranks and torch.save do
-    state = pickle.loads(pickle.dumps(saved.state_dict()))
-    expected = draws()
-    assert draws() != expected  # every generator moved on
-    restored = TrainState(loader=Loader({"shard": 0, "row": 0}))
-    restored.load_state_dict(state)
-    assert (restored.step, restored.tokens_seen, restored.run_id) == (7, 7 * 1024, "run-abc")
-    assert restored.loader.position == {"shard": 3, "row": 11}
-    assert draws() == expected
-
-
-def test_latest_resolves_tag_checkpoint_and_run_folders_through_one_function(tmp_path):
-    from pipeline.checkpoint import latest_tag, resolve_tag_dir
-
-    run_dir = tmp_path / "run"
-    ckpt = run_dir / "checkpoints"
-    for tag in ("step-0000003", "step-0000006"):
-        (ckpt / tag).mkdir(parents=True)
-        (ckpt / tag / "config.yaml").write_text("{}\n")
-    assert latest_tag(ckpt) is None
-    with pytest.raises(ConfigError, match="neither a checkpoint tag folder"):
-        resolve_tag_dir(run_dir)
-    (ckpt / "latest").write_text("step-0000003\n")
-    assert latest_tag(ckpt) == "step-0000003"
-    assert resolve_tag_dir(ckpt / "step-0000006") == ckpt / "step-0000006"  # a tag folder names itself
-    assert resolve_tag_dir(ckpt) == ckpt / "step-0000003"
-    assert resolve_tag_dir(run_dir) == ckpt / "step-0000003"
-    (ckpt / "latest").write_text("step-0000009")
-    # the trainer's resume and the readers refuse a dangling pointer with the same line
-    for read in (lambda: latest_tag(ckpt), lambda: resolve_tag_dir(run_dir)):
-        with pytest.raises(ConfigError, match=r"latest: names tag 'step-0000009', which does not exist"):
-            read()
-    with pytest.raises(ConfigError, match="checkpoint not found"):
-        resolve_tag_dir(tmp_path / "missing")
-
-
 # --- real runs ------------------------------------------------------------------------------------------
+def test_train_refuses_a_dataset_built_with_another_tokenizer(tiny_data, tmp_path):
+    """Another tokenizer file than the dataset's: refused by `prism train` itself, one line, exit 2."""
+    other = tmp_path / "other-tokenizer.json"
+    other.write_bytes(Path(tiny_data.tokenizer).read_bytes() + b" ")
+    assert (
+        hashlib.sha256(other.read_bytes()).digest() != hashlib.sha256(Path(tiny_data.tokenizer).read_bytes()).digest()
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "train",
+            str(PRESET),
+            *tiny_data.overrides,
+            f"data.tokenizer={other}",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    err_lines = [line for line in out.stderr.splitlines() if line.startswith("prism train: error:")]
+    assert len(err_lines) == 1 and "different tokenizer" in err_lines[0] and str(other) in err_lines[0]
+
+
 def test_single_process_trains_logs_and_checkpoints(reference):
     out, m, stdout = reference
     assert sorted(m) == list(range(1, STEPS + 1))

@@ -1,11 +1,13 @@
 """The Prism head schedule: parsing, rules, guidelines, presets, enumeration, and the CLI verbs."""
 
-import subprocess
-import sys
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 
 import pytest
 
 from pipeline import schedule
+from pipeline.cli import main
 
 PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
     "paper-124m": (768, 12, 12),
@@ -14,8 +16,12 @@ PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
 }
 
 
-def prism(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True)
+def prism(*args: str) -> SimpleNamespace:
+    """`prism ARGS` in this process: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def brute_force_124m() -> set[tuple[int, ...]]:
@@ -143,14 +149,16 @@ def test_layer_plan_replicates_only_indivisible_layers_and_only_on_request():
 
 
 def test_flops_and_params_do_not_depend_on_heads():
+    d, ffn, seq = 768, 2048, 1024
+    # written out by hand: QKV + output projection, SwiGLU's three matrices, two norm weights; per-token
+    # forward FLOPs with h_l * d_h = d_model in the attention term
+    params = 4 * d * d + 3 * d * ffn + 2 * d
+    flops = {"projections": 2 * 4 * d * d, "attention": 2 * 2 * d * seq, "mlp": 2 * 3 * d * ffn}
     for h in (3, 6, 8, 12):
-        assert schedule.layer_params(768, 2048, h) == schedule.layer_params(768, 2048, 12)
-        assert schedule.layer_flops(768, 2048, h, 1024) == schedule.layer_flops(768, 2048, 12, 1024)
+        assert schedule.layer_params(d, ffn, h) == params
+        assert schedule.layer_flops(d, ffn, h, seq) == flops
     # but the counter does see a changed shape
-    assert (
-        schedule.layer_flops(768, 2048, 12, 2048)["attention"]
-        == 2 * schedule.layer_flops(768, 2048, 12, 1024)["attention"]
-    )
+    assert schedule.layer_flops(d, ffn, 12, 2 * seq)["attention"] == 2 * flops["attention"]
 
 
 def test_cli_validate_exit_codes():
@@ -179,3 +187,15 @@ def test_cli_enumerate_counts():
     brute = brute_force_124m()
     assert last.startswith(f"{len(brute)} valid schedules") and len(listed) == len(brute)
     assert {schedule.parse(line) for line in listed} == brute
+
+
+def test_cli_validate_a_config_file():
+    ok = prism("schedule", "validate", "configs/prism_757m.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "6x3,12x3,16x18 is valid" in ok.stdout
+    # --heads replaces the config's schedule; a schedule the config's shape forbids is exit 2, one line
+    bad = prism("schedule", "validate", "configs/tiny_prism.yaml", "--heads", "4x4,2x4")
+    assert bad.returncode == 2 and "monotonic" in bad.stderr and bad.stdout == ""
+    # the tiny Prism schedule's 1-head layers cannot be split over 2 tensor-parallel ranks
+    tp = prism("schedule", "validate", "configs/tiny_prism.yaml", "--tp", "2")
+    assert tp.returncode == 2 and "tensor-parallel" in tp.stderr and "layer(s) 1, 2" in tp.stderr

@@ -1,0 +1,62 @@
+"""`prism demo` end to end on a tiny budget (4 steps per arm): a fresh `prepare` from the session's corpus and
+tokenizer, both arms trained by real `prism train` subprocesses into one SQLite MLflow store, the comparison
+table; a second invocation reuses the dataset and skips both finished arms."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo(overrides: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pipeline.cli", "demo", *overrides]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"prism demo exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(tiny_data, tmp_path):
+    out_dir, dataset_dir = tmp_path / "runs", tmp_path / "dataset"
+    overrides = [
+        f"run.output_dir={out_dir}",
+        f"data.input={tiny_data.corpus_dir}",  # the session's corpus and tokenizer; the dataset is built here
+        f"data.tokenizer={tiny_data.tokenizer}",
+        f"data.dataset_dir={dataset_dir}",
+        "model.seq_len=128",
+        "train.batch_tokens=1024",
+        "train.micro_batch_size=8",
+        "train.train_tokens=4096",
+        "train.val_every=2",
+        "train.val_tokens=1024",
+        "train.log_every=1",
+        "tracking.system_metrics=false",
+    ]
+    first = demo(overrides).stdout
+    assert "4 steps x 1024 tokens per arm" in first
+    assert (dataset_dir / "manifest.json").exists() and "up to date" not in first  # prepared by the demo
+    for arm in ("uniform", "prism"):
+        assert f"[{2 if arm == 'uniform' else 3}/4] train {arm}-tiny-s1234 (schedule" in first
+        assert f"| tiny | {arm} | 1 |" in first  # a row of the comparison table, one run per arm
+        assert re.search(rf"final val loss\s+{arm}: \d+\.\d+", first)
+
+    client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("prism-tiny")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.kind = 'train'")
+    assert sorted((r.data.tags["arm"], r.info.status) for r in runs) == [("prism", "FINISHED"), ("uniform", "FINISHED")]
+
+    second = demo(overrides).stdout
+    assert "up to date" in second  # the dataset is reused
+    for run in runs:
+        assert f"train {run.info.run_name}: already finished (MLflow run {run.info.run_id}); skipping" in second
+    assert "(schedule" not in second  # no arm trained again
+    assert "| tiny | uniform | 1 |" in second and "| tiny | prism | 1 |" in second
+    again = client.search_runs([experiment.experiment_id], filter_string="tags.kind = 'train'")
+    assert sorted(r.info.run_id for r in again) == sorted(r.info.run_id for r in runs)
