@@ -18,7 +18,7 @@ import torch
 
 from pipeline import config, distributed
 from pipeline.model import build_model, lm_loss
-from pipeline.model.cli import uniform_twin
+from pipeline.model.report import uniform_twin
 
 PRESETS = {"tiny": "configs/tiny_prism.yaml", "124m": "configs/prism_124m.yaml"}
 

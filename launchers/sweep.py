@@ -208,6 +208,16 @@ class Sweep:
             time.sleep(poll_s)
         return [j.result() for j in self.jobs]
 
+    def failures(self) -> list[str]:
+        """Block until every job ends; one line per failed job (a failed job must not hide the others')."""
+        failed = []
+        for p, job in zip(self.points, self.jobs):
+            try:
+                job.result()
+            except Exception as e:
+                failed.append(f"{p.label}: job {job.job_id} failed: {str(e).splitlines()[-1] if str(e) else e}")
+        return failed
+
 
 def make_executor(
     folder: Path,
@@ -325,3 +335,35 @@ def load_spec(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: {key} must be a non-empty list")
     spec.setdefault("name", path.stem)
     return spec
+
+
+def grid_of_spec(spec: dict[str, Any]) -> list[tuple[GridPoint, config.Config, list[str]]]:
+    """The grid a sweep spec (from ``load_spec``) describes."""
+    return build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
+
+
+def grid_table(grid: list[tuple[GridPoint, config.Config, list[str]]]) -> str:
+    """One line per grid point (what a dry run prints) and the job count."""
+    rows = [f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name"]
+    for i, (p, cfg, _) in enumerate(grid):
+        rows.append(
+            f"{i:>4}  {p.arm:<8} {p.scale:<6} {p.seed:>6}  {schedule.compact(cfg.heads_per_layer)}  -> {cfg.run_name}"
+        )
+    rows.append(f"jobs: {len(grid)}")
+    return "\n".join(rows)
+
+
+def submit_spec(spec: dict[str, Any], executor: str | None = None) -> Sweep:
+    """Submit a sweep spec (from ``load_spec``); ``executor`` overrides the spec's (default slurm)."""
+    return submit(
+        spec["arms"],
+        spec["scales"],
+        spec["seeds"],
+        spec.get("schedules"),
+        spec.get("overrides"),
+        executor=executor or spec.get("executor", "slurm"),
+        folder=spec.get("folder"),
+        name=spec["name"],
+        nproc_per_node=int(spec.get("nproc_per_node", 0)),
+        **(spec.get("slurm") or {}),
+    )

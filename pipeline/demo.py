@@ -1,4 +1,4 @@
-"""`prism demo` (what `make demo` runs): the whole study in miniature, offline, on CPU.
+"""The whole study in miniature, offline, on CPU (what `prism demo` and `make demo` run).
 
 Embedded corpus + BPE tokenizer -> `prism prepare` -> `prism train` for tiny_uniform and tiny_prism (same data,
 seed and token budget; each arm a clean subprocess through the real DeepSpeed path) -> both logged to one
@@ -9,7 +9,6 @@ A second run reuses the dataset and skips arms whose MLflow run already FINISHED
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import subprocess
@@ -20,13 +19,6 @@ from pathlib import Path
 ARMS = ("uniform", "prism")
 # Keys both arms must share for the comparison to mean anything (the schedule is what differs).
 SHARED_KEYS = ("run.seed", "train", "data", "model.seq_len", "model.num_layers", "model.d_model")
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, <= 15 min on 2 cores)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x")
-    p.add_argument("--preset-dir", default="configs", help="folder holding tiny_uniform.yaml / tiny_prism.yaml")
-    p.set_defaults(func=run)
 
 
 def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
@@ -77,14 +69,15 @@ def finished_run(cfg) -> str | None:
     return found[0].info.run_id if found else None
 
 
-def run(args: argparse.Namespace) -> int:
+def run_demo(overrides: list[str], preset_dir: str | Path = "configs") -> int:
+    """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
     from pipeline import config
     from pipeline.config import ConfigError, changed_keys
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
-    presets = {arm: str(Path(args.preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
-    cfgs = {arm: config.load(path, args.overrides) for arm, path in presets.items()}
+    presets = {arm: str(Path(preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
+    cfgs = {arm: config.load(path, overrides) for arm, path in presets.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
     if differ:
         raise ConfigError(f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}")
@@ -110,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
             continue
         say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]")
-        cmd = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *args.overrides]
+        cmd = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *overrides]
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:
             say(f"prism demo: `{' '.join(cmd[2:])}` exited with {rc}; rerun `make demo` to resume it")

@@ -264,3 +264,18 @@ def training_flops_per_token(
     """Forward + backward (x3) FLOPs per token: every block plus the logits projection."""
     per_layer = sum(sum(layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated).values()) for h in heads)
     return 3 * (per_layer + 2 * d_model * vocab)
+
+
+def layer_table(heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int) -> str:
+    """Per layer: heads, d_h, progressive stage, forward FLOPs per token (attention, projections), params."""
+    rows = [
+        f"{'layer':>5} {'heads':>5} {'d_h':>4} {'stage':>5} {'attn FLOPs/tok':>15} {'proj FLOPs/tok':>15} {'params':>11}"
+    ]
+    stage_of = {i: n + 1 for n, (_, s, e) in enumerate(stages(heads)) for i in range(s, e)}
+    for i, h in enumerate(heads):
+        f = layer_flops(d_model, ffn_hidden, h, seq_len)
+        rows.append(
+            f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
+            f"{f['projections']:>15,} {layer_params(d_model, ffn_hidden, h):>11,}"
+        )
+    return "\n".join(rows)

@@ -12,7 +12,7 @@ def test_prism_eval_offline_scores_near_chance_and_logs_to_the_run(tiny_checkpoi
     from mlflow.tracking import MlflowClient
 
     from pipeline.cli import main
-    from pipeline.eval.harness import PAPER_TASKS
+    from pipeline.eval.zeroshot import PAPER_TASKS
     from pipeline.tracking.journal import Journal
 
     out = tmp_path / "eval.json"

@@ -244,7 +244,7 @@ def test_verified_rows_are_the_written_ones_and_a_corrupted_shard_is_refused(tmp
 
 
 def test_attention_distance_reader_refuses_a_corrupted_shard(tmp_path):
-    from pipeline.analysis.attention import count_sequences, iter_sequences
+    from pipeline.analysis.measure import count_sequences, iter_sequences
 
     manifest, rows = write_dataset(tmp_path)
     assert count_sequences(tmp_path, "val") == len(rows["val"])
@@ -271,7 +271,7 @@ def test_demo_unigram_entropy_counts_the_predicted_tokens(tmp_path):
 def test_every_reader_refuses_a_corrupted_shard(tiny_data, dataset_copy):
     """Loader, `prism prepare --verify`, attention-distance and the demo read through one verified reader:
     a shard whose bytes no longer match its sha256 is refused by each of them, naming the shard."""
-    from pipeline.analysis.attention import iter_sequences
+    from pipeline.analysis.measure import iter_sequences
     from pipeline.demo import unigram_entropy
 
     cfg = load_cfg(tiny_data, f"data.dataset_dir={dataset_copy}")

@@ -190,7 +190,7 @@ def test_both_arms_build_the_parameters_the_schedule_arithmetic_predicts(scale):
 
 def test_flops_per_token_counts_every_layer_and_the_padded_vocab():
     from pipeline.model import flops_per_token, padded_vocab_size
-    from pipeline.model.cli import uniform_twin
+    from pipeline.model.report import uniform_twin
 
     for path in (TINY, "configs/prism_124m.yaml", "configs/prism_757m.yaml"):
         cfg = config.load(path)

@@ -68,10 +68,10 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
 
 
 def test_eval_and_analysis_log_to_an_existing_run_through_log_to_run(tmp_path):
-    from pipeline.analysis import runner
-    from pipeline.eval import harness
+    from pipeline.analysis import checkpoints
+    from pipeline.eval import zeroshot
 
-    assert harness.log_to_run is store.log_to_run and runner.log_to_run is store.log_to_run
+    assert zeroshot.log_to_run is store.log_to_run and checkpoints.log_to_run is store.log_to_run
 
     cfg = tiny_cfg(tmp_path)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

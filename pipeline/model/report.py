@@ -1,4 +1,4 @@
-"""`prism model report CONFIG`: neutrality of a schedule, proven from the real megatron modules.
+"""Neutrality of a schedule, proven from the real megatron modules (what `prism model report` prints).
 
 Per layer: heads, d_h, parameters counted on the built layer, FLOPs per token; totals; then the same for
 the uniform twin (h_base heads in every layer) and the equality checks. Built on the meta device, so the
@@ -7,21 +7,11 @@ the uniform twin (h_base heads in every layer) and the equality checks. Built on
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import time
 
-from pipeline import schedule
-from pipeline.config import Config, apply_overrides, from_dict, load
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("model", help="inspect the megatron-core model a config builds")
-    verbs = p.add_subparsers(dest="model_verb", required=True, metavar="ACTION")
-    r = verbs.add_parser("report", help="per-layer heads, d_h, params and FLOPs; checks against the uniform twin")
-    r.add_argument("config")
-    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.heads=3x2,6x2,8x2,12x6")
-    r.set_defaults(func=_report)
+from pipeline import distributed, schedule
+from pipeline.config import Config, apply_overrides, from_dict
+from pipeline.model.gpt import build_model, flops_per_token, padded_vocab_size
 
 
 def uniform_twin(cfg: Config) -> Config:
@@ -44,9 +34,6 @@ class ModelCount:
 
 def count(cfg: Config) -> ModelCount:
     """Parameters from the modules megatron builds (meta device), FLOPs from the shared counter."""
-    from pipeline import distributed
-    from pipeline.model import build_model, flops_per_token, padded_vocab_size
-
     cfg = from_dict(apply_overrides(cfg.to_dict(), ["parallel.tp=1"]), cfg.source)  # whole model on one rank
     distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg, meta=True)
@@ -87,29 +74,12 @@ def format_report(cfg: Config, c: ModelCount, title: str) -> str:
     return "\n".join(rows)
 
 
-def _report(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    cfg = load(args.config, args.overrides)
-    twin = uniform_twin(cfg)
-    ours, theirs = count(cfg), count(twin)
-    print(format_report(cfg, ours, "model"))
-    print()
-    print(format_report(twin, theirs, "uniform twin"))
-    print()
-    checks = {
-        "parameters": (ours.total_params, theirs.total_params),
-        "parameters per layer": (ours.layer_params, theirs.layer_params),
-        "training FLOPs per token": (ours.flops_per_token, theirs.flops_per_token),
-        "sum of h_l * d_h": (
-            sum(h * (cfg.model.d_model // h) for h in ours.heads),
-            sum(h * (cfg.model.d_model // h) for h in theirs.heads),
-        ),
+def neutrality_checks(cfg: Config, ours: ModelCount, twin: ModelCount) -> dict[str, tuple]:
+    """What must be identical between a schedule and its uniform twin: name -> (ours, twin)."""
+    d = cfg.model.d_model
+    return {
+        "parameters": (ours.total_params, twin.total_params),
+        "parameters per layer": (ours.layer_params, twin.layer_params),
+        "training FLOPs per token": (ours.flops_per_token, twin.flops_per_token),
+        "sum of h_l * d_h": (sum(h * (d // h) for h in ours.heads), sum(h * (d // h) for h in twin.heads)),
     }
-    ok = True
-    for name, (a, b) in checks.items():
-        same = a == b
-        ok &= same
-        shown = f"{a:,}" if isinstance(a, int) else ("equal" if same else f"{a} vs {b}")
-        print(f"check {name:<26} {'identical' if same else 'DIFFERENT'} ({shown})")
-    print(f"neutral: {'yes' if ok else 'NO'} ({time.perf_counter() - start:.1f} s, counted on the meta device)")
-    return 0 if ok else 1

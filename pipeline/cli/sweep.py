@@ -1,4 +1,4 @@
-"""`prism sweep SPEC.yaml [--dry-run]`: submit a grid of training runs (launchers/sweep.py) or print it."""
+"""`prism sweep SPEC.yaml [--dry-run]`: submit a grid of training runs (launchers.sweep) or print it."""
 
 from __future__ import annotations
 
@@ -25,39 +25,16 @@ def run(args: argparse.Namespace) -> int:
     from launchers import sweep
 
     spec = sweep.load_spec(args.spec)
-    grid = sweep.build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
     if args.dry_run:
-        print(f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name")
-        for i, (p, cfg, _) in enumerate(grid):
-            from pipeline import schedule
-
-            print(
-                f"{i:>4}  {p.arm:<8} {p.scale:<6} {p.seed:>6}  {schedule.compact(cfg.heads_per_layer)}  -> {cfg.run_name}"
-            )
-        print(f"jobs: {len(grid)}")
+        print(sweep.grid_table(sweep.grid_of_spec(spec)))
         return 0
-    s = sweep.submit(
-        spec["arms"],
-        spec["scales"],
-        spec["seeds"],
-        spec.get("schedules"),
-        spec.get("overrides"),
-        executor=args.executor or spec.get("executor", "slurm"),
-        folder=spec.get("folder"),
-        name=spec["name"],
-        nproc_per_node=int(spec.get("nproc_per_node", 0)),
-        **(spec.get("slurm") or {}),
-    )
+    s = sweep.submit_spec(spec, args.executor)
     for p, job in zip(s.points, s.jobs):
         print(f"{p.label}: job {job.job_id}")
     print(f"jobs: {len(s.jobs)}; manifest {s.manifest_path}")
     if args.wait:
-        failed = 0
-        for p, job in zip(s.points, s.jobs):
-            try:
-                job.result()
-            except Exception as e:  # a failed job must not hide the others' results
-                failed += 1
-                print(f"{p.label}: job {job.job_id} failed: {str(e).splitlines()[-1] if str(e) else e}")
+        failed = s.failures()
+        for line in failed:
+            print(line)
         return 1 if failed else 0
     return 0

@@ -11,24 +11,27 @@ from pipeline import schedule
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedule", help="validate, show or enumerate Prism head schedules")
+    p.set_defaults(func=run)
     verbs = p.add_subparsers(dest="schedule_verb", required=True, metavar="ACTION")
 
     v = verbs.add_parser("validate", help="check a schedule against the rules; exit 0 or 2")
     v.add_argument("config", nargs="?", help="YAML config (or give the shape with the flags below)")
+    v.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, e.g. parallel.tp=2")
     _shape_args(v)
     v.add_argument("--heads", help="per-layer heads: '3,3,6,6,...', '3x2,6x2,...' or a preset name")
     v.add_argument("--allow-guideline-violations", action="store_true")
-    v.set_defaults(func=_validate)
 
     s = verbs.add_parser("show", help="per-layer heads, d_h, FLOPs, params and the neutrality checks")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
-    s.set_defaults(func=_show)
 
     e = verbs.add_parser("enumerate", help="every schedule that satisfies all rules")
     _shape_args(e)
     e.add_argument("--limit", type=int, default=0, help="print at most N schedules (the count is always full)")
-    e.set_defaults(func=_enumerate)
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"validate": _validate, "show": _show, "enumerate": _enumerate}[args.schedule_verb](args)
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
@@ -44,26 +47,12 @@ def _need_shape(args: argparse.Namespace) -> None:
         raise SystemExit(f"prism schedule: error: give a CONFIG or {' '.join(missing)}")
 
 
-def table(heads: tuple[int, ...], d_model: int, ffn: int, seq_len: int) -> str:
-    rows = [
-        f"{'layer':>5} {'heads':>5} {'d_h':>4} {'stage':>5} {'attn FLOPs/tok':>15} {'proj FLOPs/tok':>15} {'params':>11}"
-    ]
-    stage_of = {i: n + 1 for n, (_, s, e) in enumerate(schedule.stages(heads)) for i in range(s, e)}
-    for i, h in enumerate(heads):
-        f = schedule.layer_flops(d_model, ffn, h, seq_len)
-        rows.append(
-            f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
-            f"{f['projections']:>15,} {schedule.layer_params(d_model, ffn, h):>11,}"
-        )
-    return "\n".join(rows)
-
-
 def _validate(args: argparse.Namespace) -> int:
     allow = args.allow_guideline_violations
     if args.config:
         from pipeline import config
 
-        cfg = config.load(args.config, [f"schedule.heads={args.heads}"] if args.heads else [])
+        cfg = config.load(args.config, [*args.overrides, *([f"schedule.heads={args.heads}"] if args.heads else [])])
         m = cfg.model
         d_model, layers, h_base, tp = (
             m.d_model,
@@ -95,7 +84,7 @@ def _validate(args: argparse.Namespace) -> int:
     print(
         f"schedule {schedule.compact(heads)} is valid for d_model={d_model}, {layers} layers, h_base={h_base}, TP={tp}"
     )
-    print(table(heads, d_model, ffn, seq))
+    print(schedule.layer_table(heads, d_model, ffn, seq))
     return 0
 
 
@@ -107,7 +96,7 @@ def _show(args: argparse.Namespace) -> int:
     heads = cfg.heads_per_layer
     twin = (m.h_base,) * m.num_layers
     print(f"{cfg.source}: {cfg.run.arm} arm, schedule {schedule.compact(heads)}")
-    print(table(heads, m.d_model, m.ffn_hidden_size, m.seq_len))
+    print(schedule.layer_table(heads, m.d_model, m.ffn_hidden_size, m.seq_len))
     totals = {}
     for name, hs in (("schedule", heads), ("uniform twin", twin)):
         params = sum(schedule.layer_params(m.d_model, m.ffn_hidden_size, h, bias=m.bias) for h in hs)

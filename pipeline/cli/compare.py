@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", help="folder for comparison.md/.csv and the PNGs (default runs/compare/EXPERIMENT)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to a kind=comparison run")
-    p.set_defaults(func=_compare)
+    p.set_defaults(func=run)
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -30,7 +30,7 @@ def resolve_uri(uri: str | None) -> str:
     return uri
 
 
-def _compare(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from pipeline.compare import compare_arms
 
     uri = resolve_uri(args.tracking_uri)

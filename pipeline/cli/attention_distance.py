@@ -24,16 +24,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sequences", type=int, default=16, help="N sequences averaged per checkpoint")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", help="output folder (default <run_dir>/analysis of the first checkpoint)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from pipeline.analysis.runner import run
+def run(args: argparse.Namespace) -> int:
+    from pipeline.analysis.checkpoints import measure_checkpoints
 
     overrides = [a for a in args.checkpoints + args.compare if "=" in a]
     paths = [a for a in args.checkpoints if "=" not in a]
     others = [a for a in args.compare if "=" not in a]
-    result = run(paths, others, args.split, args.sequences, args.out, args.device, overrides)
+    result = measure_checkpoints(paths, others, args.split, args.sequences, args.out, args.device, overrides)
     for r in result["checkpoints"]:
         print(f"{r['name']} ({r['meta']['split']}, {r['meta']['sequences']} sequences, T={r['meta']['seq_len']})")
         print(f"{'layer':>5} {'heads':>5} {'d_h':>4} {'D_l':>9} {'std':>8}")

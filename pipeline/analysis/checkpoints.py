@@ -1,4 +1,5 @@
-"""`prism attention-distance` end to end: measure D_l per checkpoint, write tables/plots, ΔD_l, MLflow."""
+"""D_l of checkpoints (what `prism attention-distance` runs): measure each, ΔD_l between the arms, write
+tables and plots, log them to each checkpoint's MLflow run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.analysis import report
-from pipeline.analysis.attention import count_sequences, delta_rows, iter_sequences, measure
+from pipeline.analysis.measure import count_sequences, delta_rows, iter_sequences, measure
 from pipeline.config import ConfigError
 from pipeline.tracking.store import log_to_run
 
@@ -53,7 +54,7 @@ def measure_checkpoint(
     return {"cfg": cfg, "info": info, "rows": rows, "name": name, "files": files, "meta": meta}
 
 
-def compare(main: list[dict[str, Any]], other: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+def delta_between_arms(main: list[dict[str, Any]], other: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     """ΔD_l between the Prism and the uniform group (whichever side each is on)."""
     groups = {"prism": [], "uniform": []}
     for result in main + other:
@@ -93,7 +94,7 @@ def compare(main: list[dict[str, Any]], other: list[dict[str, Any]], out: Path) 
     return {"rows": rows, "files": files, "meta": meta}
 
 
-def run(
+def measure_checkpoints(
     paths: list[str],
     compare_paths: list[str],
     split: str = "val",
@@ -102,6 +103,7 @@ def run(
     device: str = "auto",
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
+    """D_l of every checkpoint in ``paths`` and ``compare_paths``, plus ΔD_l when ``compare_paths`` is given."""
     if sequences < 1:
         raise ConfigError(f"--sequences {sequences} must be >= 1")
     out_dir = Path(out) if out else None
@@ -110,7 +112,7 @@ def run(
     result: dict[str, Any] = {"checkpoints": main + other}
     delta_files: list[Path] = []
     if other:
-        delta = compare(main, other, out_dir or main[0]["cfg"].run_dir / "analysis")
+        delta = delta_between_arms(main, other, out_dir or main[0]["cfg"].run_dir / "analysis")
         result["delta"] = delta
         delta_files = delta["files"]
     for r in main + other:  # each run gets its own D_l files, and the comparison when there is one

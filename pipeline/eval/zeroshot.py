@@ -102,7 +102,7 @@ def write_json(data: dict[str, Any], path: Path) -> None:
     write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def run(
+def evaluate_checkpoint(
     checkpoint: str | Path,
     tasks: list[str],
     limit: int | None = None,
@@ -141,3 +141,20 @@ def run(
     write_json(report, path)
     report["json"] = str(path)
     return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a text table: one row per task, then the split notes."""
+    lines = [
+        f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
+        f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}",
+    ]
+    notes = []
+    for task, s in report["tasks"].items():
+        acc_norm = f"{s['acc_norm']:.4f}" if "acc_norm" in s else "-"
+        lines.append(
+            f"{task:<12} {s['split']:<11} {s['samples']:>6} {s['acc']:>7.4f} {acc_norm:>8} {s['chance']:>7.3f}"
+        )
+        if "note" in s:
+            notes.append(f"note: {task}: {s['note']}")
+    return "\n".join(lines + notes)

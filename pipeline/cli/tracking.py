@@ -11,10 +11,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = actions.add_parser("sync", help="replay the records of RUN_DIR's tracking.jsonl not yet in MLflow")
     s.add_argument("run_dir", help="the run folder (<output_dir>/<run name>) or its checkpoint folder")
     s.add_argument("--tracking-uri", help="send to this store instead of the one the run used")
-    s.set_defaults(func=_sync)
+    s.set_defaults(func=run)
 
 
-def _sync(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from pipeline.tracking.journal import JOURNAL, Journal, journal_folder, sync
 
     folder = journal_folder(args.run_dir)
