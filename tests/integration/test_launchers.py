@@ -63,6 +63,11 @@ def _runs_named(server, experiment: str, run_name: str, want_status: str = "FINI
         time.sleep(0.5)
 
 
+def sweep_dry_run(spec: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipeline.cli", "sweep", str(spec), "--dry-run"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 def test_sweep_dry_run_counts_the_grid(tmp_path):
     ramps = (h for h in schedule.enumerate_valid(768, 12, 12) if len(set(h)) > 1)  # non-constant 124m schedules
     heads_124m = [schedule.compact(h) for h in itertools.islice(ramps, 3)]
@@ -79,13 +84,7 @@ def test_sweep_dry_run_counts_the_grid(tmp_path):
     for i, (spec, expected) in enumerate(cases):
         path = tmp_path / f"spec{i}.yaml"
         path.write_text(json.dumps(spec))  # JSON is YAML
-        out = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "sweep", str(path), "--dry-run"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = sweep_dry_run(path)
         assert out.returncode == 0, out.stderr
         assert f"jobs: {expected}" in out.stdout
         rows = [line for line in out.stdout.splitlines() if "->" in line and not line.lstrip().startswith("#")]
@@ -95,13 +94,7 @@ def test_sweep_dry_run_counts_the_grid(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(json.dumps({"arms": ["uniform"], "scales": ["124m"], "seeds": [1], "schedules": heads_124m[:1]}))
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "sweep", str(bad), "--dry-run"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = sweep_dry_run(bad)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "uniform" in out.stderr, out.stderr
 
 
