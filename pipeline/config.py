@@ -161,6 +161,7 @@ class Config:
         except schedule.ScheduleError as e:
             raise ConfigError(f"{self.source}: schedule.heads: {e}") from None
         object.__setattr__(self, "heads_per_layer", heads)  # frozen: the one place these are set
+        _check_combinations(self)  # first: the plan divides by parallel.tp and model.d_model
         object.__setattr__(
             self,
             "layer_plan",
@@ -171,7 +172,7 @@ class Config:
                 replicate_indivisible=self.parallel.replicate_indivisible_layers,
             ),
         )
-        _check_combinations(self)
+        _check_plan(self)
 
     # --- derived names and paths (computed on read) -------------------------------------------------------------
     @property
@@ -469,6 +470,13 @@ def _check_combinations(cfg: Config) -> None:
         fail("schedule.heads", str(e))
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
-    if m.dropout and any(layer.replicated for layer in cfg.layer_plan):
+
+
+def _check_plan(cfg: Config) -> None:
+    """Rules on the per-layer plan, once it exists."""
+    dropout = cfg.model.dropout
+    if dropout and any(layer.replicated for layer in cfg.layer_plan):
         # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
-        fail("model.dropout", f"{m.dropout}: parallel.replicate_indivisible_layers needs model.dropout=0")
+        raise ConfigError(
+            f"{cfg.source}: model.dropout: {dropout}: parallel.replicate_indivisible_layers needs model.dropout=0"
+        )

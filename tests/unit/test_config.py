@@ -209,6 +209,10 @@ def test_layer_plan_decides_replication_once(overrides, replicated):
             ),
             "model.dropout: 0.1: parallel.replicate_indivisible_layers needs model.dropout=0",
         ),
+        (  # the per-layer plan divides by TP: range checks must run before it is built
+            lambda d: d["parallel"].update(tp=0, replicate_indivisible_layers=True),
+            "parallel.tp: 0 must be >= 1",
+        ),
     ],
 )
 def test_bad_configs_give_one_line_naming_file_and_key(tmp_path, mutate, message):
