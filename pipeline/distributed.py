@@ -12,7 +12,7 @@ import os
 import signal
 from typing import Any
 
-from pipeline.config import ConfigError
+from pipeline.config import Config, ConfigError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -32,6 +32,14 @@ def resolve_device(requested: str = "auto") -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def train_device(cfg: Config) -> str:
+    """The device ``train.device`` resolves to on this host; an impossible ask names the config key."""
+    try:
+        return resolve_device(cfg.train.device)
+    except DeviceError as e:
+        raise ConfigError(f"{cfg.source}: train.device: {e}") from None
 
 
 def setup_threads() -> None:
@@ -104,12 +112,10 @@ def tp_all_gather(tensor: Any, dim: int) -> Any:
 def dp_mean(value: Any, device: str) -> float:
     """Mean of a scalar over the data-parallel group (TP peers already agree)."""
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     t = torch.as_tensor(value, dtype=torch.float32, device=device).clone()
-    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return float(t) / parallel_state.get_data_parallel_world_size()
+    return float(dp_sum(t)) / parallel_state.get_data_parallel_world_size()
 
 
 def dp_sum(tensor: Any) -> Any:

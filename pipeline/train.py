@@ -24,8 +24,8 @@ import numpy as np
 from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
-from pipeline.config import Config, ConfigError
-from pipeline.distributed import DeviceError, StopSignal, dp_mean, dp_sum, init_model_parallel, resolve_device
+from pipeline.config import Config
+from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 
@@ -260,10 +260,7 @@ def train(cfg: Config) -> dict[str, Any]:
     resume_tag = checkpoint.check_resume(cfg)
     manifest = data.read_manifest(cfg.data.dataset_dir)
     data.check_compatible(manifest, cfg)
-    try:
-        device = resolve_device(cfg.train.device)
-    except DeviceError as e:
-        raise ConfigError(f"{cfg.source}: train.device: {e}") from None
+    device = train_device(cfg)
 
     init_model_parallel(cfg.parallel.tp, cfg.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()

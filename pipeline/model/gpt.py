@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipeline import schedule
 from pipeline.config import Config, ConfigError
-from pipeline.distributed import DeviceError, resolve_device, tp_all_gather
+from pipeline.distributed import tp_all_gather, train_device
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,7 @@ def flops_per_token(cfg: Config) -> int:
 
 
 def use_cuda(cfg: Config) -> bool:
-    try:
-        return resolve_device(cfg.train.device) == "cuda"
-    except DeviceError as e:
-        raise ConfigError(f"{cfg.source}: train.device: {e}") from None
+    return train_device(cfg) == "cuda"
 
 
 def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerConfig:
