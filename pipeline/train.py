@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 
 from pipeline import checkpoint, data
+from pipeline import plan as plan_lib
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
+from pipeline.dataset import DataError, read_shard
 from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
@@ -248,6 +250,31 @@ def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[f
         )
 
 
+def check_data_before_start(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:
+    """Refuse a budget beyond one epoch (unless data.allow_repeat) and, per data.verify_on_start, hash every
+    shard: each rank a disjoint slice, every rank raises the first problem any rank found. Returns the epochs."""
+    import torch.distributed as dist
+
+    epochs = plan_lib.check_epochs(cfg, manifest, dp_size)
+    if plan_lib.should_verify_on_start(cfg, manifest):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        entries = [(split, e) for split in manifest["splits"] for e in manifest["splits"][split]["shards"]]
+        problem = None
+        for split, entry in entries[rank::world]:
+            try:
+                read_shard(cfg.data.dataset_dir, manifest, split, entry)
+            except DataError as e:
+                problem = str(e)
+                break
+        found: list[str | None] = [None] * world
+        dist.all_gather_object(found, problem)
+        if first := next((p for p in found if p), None):
+            raise DataError(f"data.verify_on_start: {first}")
+        if rank == 0:
+            print(f"prism train: data.verify_on_start: {len(entries)} shards match the manifest", flush=True)
+    return epochs
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
     import torch.distributed as dist
@@ -269,6 +296,7 @@ def train(cfg: Config) -> dict[str, Any]:
     total_steps, warmup, grad_accum = plan["total"], plan["warmup"], plan["grad_accum"]
     micro, t = cfg.train.micro_batch_size, cfg.train
     master = rank == 0
+    epochs = check_data_before_start(cfg, manifest, dp_size)  # before the model: a bad dataset costs nothing
 
     loader = data.ShardLoader(cfg, dp_rank=dp_rank, dp_size=dp_size, batch_size=micro, manifest=manifest)
     val_rows = data.load_val_tokens(cfg, manifest)
@@ -280,13 +308,16 @@ def train(cfg: Config) -> dict[str, Any]:
         checkpoint.load(engine, cfg, resume_tag, state)
     tracker = make_tracker(cfg, rank)
     state.run_id = tracker.start(cfg, run_id=state.run_id)
+    tracker.log_metrics(
+        {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}, 0
+    )
     stopper = StopSignal()
     if master:
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
         print(
             f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
             f"ZeRO-{cfg.parallel.zero_stage} {t.precision} on {device} | {total_steps} steps, grad_accum "
-            f"{grad_accum}, warmup {warmup}",
+            f"{grad_accum}, warmup {warmup} | {epochs:.2f} epochs of the data",
             flush=True,
         )
 

@@ -16,6 +16,7 @@ from pipeline.cli import (
     demo,
     eval,
     model,
+    plan,
     prepare,
     schedule,
     sweep,
@@ -26,7 +27,7 @@ from pipeline.config import ConfigError
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
-VERB_MODULES = (schedule, model, prepare, train, tracking, compare, eval, attention_distance, sweep, demo)
+VERB_MODULES = (schedule, model, plan, prepare, train, tracking, compare, eval, attention_distance, sweep, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
