@@ -97,9 +97,14 @@ def tokens_per_epoch(manifest: dict[str, Any], dp_size: int) -> int:
     return shards * train["samples_per_shard"] * manifest["sequences_per_sample"] * manifest["seq_len"]
 
 
+def trained_tokens(cfg: Config) -> int:
+    """What the loop trains: whole optimizer steps of train.batch_tokens (Config.steps)."""
+    return max(1, cfg.train.train_tokens // cfg.train.batch_tokens) * cfg.train.batch_tokens
+
+
 def epochs(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:
     per_epoch = tokens_per_epoch(manifest, dp_size)
-    return math.inf if per_epoch == 0 else cfg.train.train_tokens / per_epoch
+    return math.inf if per_epoch == 0 else trained_tokens(cfg) / per_epoch
 
 
 def check_epochs(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:
@@ -201,7 +206,7 @@ def make_plan(
     if manifest is not None:
         n_epochs, source = epochs(cfg, manifest, dp), f"{cfg.data.dataset_dir} (manifest)"
     elif cfg.data.input in KNOWN_INPUT_TOKENS:
-        n_epochs, source = cfg.train.train_tokens / KNOWN_INPUT_TOKENS[cfg.data.input], f"{cfg.data.input} (known size)"
+        n_epochs, source = trained_tokens(cfg) / KNOWN_INPUT_TOKENS[cfg.data.input], f"{cfg.data.input} (known size)"
     else:
         n_epochs, source = None, "unknown (not prepared, input size unknown)"
     peak = peak_flops if peak_flops is not None else cfg.train.peak_flops
