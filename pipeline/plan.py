@@ -113,7 +113,7 @@ def check_epochs(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:
     if n > 1 and not cfg.data.allow_repeat:
         where = Path(cfg.data.dataset_dir) / MANIFEST
         raise DataError(
-            f"{where}: train.train_tokens={cfg.train.train_tokens:,} is {n:.2f} epochs of the prepared train split "
+            f"{where}: train.train_tokens={cfg.train.train_tokens:,} is {n:.3f} epochs of the prepared train split "
             f"({tokens_per_epoch(manifest, dp_size):,} tokens at DP={dp_size}); prepare a larger data.input, lower "
             f"train.train_tokens, or set data.allow_repeat=true to repeat the data"
         )
