@@ -452,7 +452,7 @@ class Range:
             text = f"{'>' if self.low_open else '>='} {lo}"
         else:
             text = f"{'<' if self.high_open else '<='} {hi}"
-        return f"a number {text}" + "".join(f" (or {a})" for a in self.also)
+        return text + "".join(f" (or {a})" for a in self.also)
 
 
 AT_LEAST_1, POSITIVE, NON_NEGATIVE = Range(1), Range(0, low_open=True), Range(0)
@@ -520,9 +520,7 @@ def _check_ranges(cfg: Config) -> None:
         value = _value(cfg, key)
         for v in value if key.endswith("[]") else (value,):
             if v is not None and not allowed.allows(v):
-                raise ConfigError(
-                    f"{cfg.source}: {key.removesuffix('[]')}: {v!r} is out of range; use {allowed.describe()}"
-                )
+                raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
     for key in NON_EMPTY_KEYS:
         if not _value(cfg, key).strip():
             raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
