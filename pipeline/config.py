@@ -239,7 +239,14 @@ MODEL_OR_DATA_KEYS = (
     "data",
 )
 # Inside data, these only say how preparation is executed: changing them never changes the tokens.
-EXECUTION_ONLY_DATA_KEYS = ("data.executor", "data.tasks", "data.workers", "data.slurm")
+EXECUTION_ONLY_DATA_KEYS = (
+    "data.executor",
+    "data.tasks",
+    "data.workers",
+    "data.slurm",
+    "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
+    "data.verify_on_start",
+)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -166,3 +166,15 @@ def test_prism_plan_cli_prints_the_plan_quickly_without_torch():
         cwd=ROOT,
     )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "49152" in bad.stderr
+
+
+def test_allow_repeat_and_verify_on_start_may_change_on_resume():
+    """Neither changes which tokens are read in which order, so resume must not refuse them."""
+    old = config.load(ROOT / "configs" / "tiny_prism.yaml").to_dict()
+    new = config.load(
+        ROOT / "configs" / "tiny_prism.yaml", ["data.allow_repeat=true", "data.verify_on_start=false"]
+    ).to_dict()
+    assert config.changed_keys(old, new) == []
+    assert config.changed_keys(old, config.load(ROOT / "configs" / "tiny_prism.yaml", ["data.limit=5"]).to_dict()) == [
+        "data.limit"
+    ]
