@@ -24,12 +24,12 @@ def test_eval_refuses_an_unusable_tokenizer_before_the_model_loads(tiny_checkpoi
     from pipeline.cli import main
 
     bad = [f"data.tokenizer={tmp_path / 'nope.json'}", f"data.dataset_dir={tmp_path / 'none'}"]
-    assert main(["eval", str(tiny_checkpoints.prism), "--limit", "1", *bad]) == 2
+    assert main(["eval", str(tiny_checkpoints.prism), *bad, "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.tokenizer=" in err[0] and "not found" in err[0]
     # A Hub-name spelling the machine cannot fetch falls back to the manifest's tokenizer and goes on to load.
     with pytest.raises(ModelLoaded):
-        main(["eval", str(tiny_checkpoints.prism), "--limit", "1", "data.tokenizer=gpt2"])
+        main(["eval", str(tiny_checkpoints.prism), "data.tokenizer=gpt2", "--limit", "1"])
 
 
 def test_attention_distance_refuses_a_dataset_of_another_tokenizer_before_the_model_loads(
