@@ -308,9 +308,9 @@ def train(cfg: Config) -> dict[str, Any]:
         checkpoint.load(engine, cfg, resume_tag, state)
     tracker = make_tracker(cfg, rank)
     state.run_id = tracker.start(cfg, run_id=state.run_id)
-    tracker.log_metrics(
-        {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}, 0
-    )
+    # at the first step this start trains, like every other metric (no step 0 in the history)
+    data_metrics = {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
+    tracker.log_metrics(data_metrics, state.step + 1)
     stopper = StopSignal()
     if master:
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
