@@ -144,20 +144,19 @@ def test_verify_on_start_auto_rule(tiny_data, monkeypatch):
     assert plan.should_verify_on_start(on, tiny_data.manifest)
 
 
-def test_prism_plan_cli_prints_the_plan_quickly_without_torch():
+def test_prism_plan_cli_prints_the_plan_without_heavy_imports():
     code = (
-        "import sys, time; t = time.perf_counter()\n"
+        "import sys\n"
         "from pipeline.cli import main\n"
         f"rc = main(['plan', {str(P757)!r}, '--nodes', '1', '--gpus-per-node', '8', '--peak-tflops', '989'])\n"
-        "print('seconds', time.perf_counter() - t); print('torch' in sys.modules); sys.exit(rc)\n"
+        "print(sorted({'torch', 'megatron', 'deepspeed', 'datatrove', 'mlflow'} & set(sys.modules))); sys.exit(rc)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "TP 1 x DP 8" in out.stdout and "grad_accum 8" in out.stdout and "39,997 optimizer steps" in out.stdout
     assert "memory/GPU" in out.stdout and "wall time    9h" in out.stdout
     lines = out.stdout.strip().splitlines()
-    assert lines[-1] == "False"  # no torch
-    assert float(lines[-2].split()[1]) < 2.0  # in-process time (loaded machine: measured ~0.1 s)
+    assert lines[-1] == "[]"  # arithmetic only: no heavy import, so it answers in well under a second
     bad = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "plan", str(P757), "--gpus-per-node", "6"],
         capture_output=True,
