@@ -18,6 +18,7 @@ from pipeline.cli import (
     model,
     prepare,
     schedule,
+    study,
     sweep,
     tracking,
     train,
@@ -26,7 +27,7 @@ from pipeline.config import ConfigError
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
-VERB_MODULES = (schedule, model, prepare, train, tracking, compare, eval, attention_distance, sweep, demo)
+VERB_MODULES = (schedule, model, prepare, train, tracking, compare, eval, attention_distance, sweep, study, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +38,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Where a verb collects its dotted KEY=VALUE overrides (the first of these its namespace has).
+OVERRIDE_DESTS = ("overrides", "items", "checkpoints")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argparse, plus dotted overrides anywhere after the verb: `prism prepare CONFIG --overwrite data.tasks=2`.
+
+    argparse stops filling a positional list at the first flag; the KEY=VALUE items it leaves over join the
+    verb's overrides. Anything else left over is an error printed with the verb's own usage."""
+    args, extra = parser.parse_known_args(argv)
+    verb_parser = parser._subparsers._group_actions[0].choices[args.verb]  # type: ignore[union-attr]
+    dest = next((d for d in OVERRIDE_DESTS if isinstance(getattr(args, d, None), list)), None)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or dest is None]
+    if stray:
+        verb_parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        setattr(args, dest, [*getattr(args, dest), *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ScheduleError) as e:  # bad input: one line, no traceback
