@@ -73,17 +73,23 @@ def throughput(history: list[Any]) -> tuple[float, tuple[float, float]]:
     """tokens_seen history -> (tokens/s after the first logged step, (first, last) timestamp in seconds).
 
     The first step is left out (it carries graph building and warm-up); validation and checkpoint time
-    between logged steps stay in: this is what a run really takes per token."""
+    between logged steps stay in: this is what a run really takes per token. A gap between two logged
+    steps that is over 5x slower per token than the median gap is a stop and resume (or a stall), not
+    training: it counts neither its tokens nor its time."""
     by_step: dict[int, Any] = {}
     for m in history:
         if m.step not in by_step or m.timestamp >= by_step[m.step].timestamp:
             by_step[m.step] = m
-    if len(by_step) < 2:
+    points = [by_step[s] for s in sorted(by_step)]
+    gaps = [(b.value - a.value, (b.timestamp - a.timestamp) / 1000.0) for a, b in zip(points, points[1:])]
+    gaps = [(tokens, sec) for tokens, sec in gaps if tokens > 0 and sec > 0]
+    if not gaps:
         return math.nan, (math.nan, math.nan)
-    first, last = by_step[min(by_step)], by_step[max(by_step)]
-    seconds = (last.timestamp - first.timestamp) / 1000.0
-    rate = (last.value - first.value) / seconds if seconds > 0 else math.nan
-    return rate, (first.timestamp / 1000.0, last.timestamp / 1000.0)
+    per_token = sorted(sec / tokens for tokens, sec in gaps)
+    limit = 5 * per_token[len(per_token) // 2]
+    kept = [(tokens, sec) for tokens, sec in gaps if sec / tokens <= limit]
+    rate = sum(t for t, _ in kept) / sum(s for _, s in kept)
+    return rate, (points[0].timestamp / 1000.0, points[-1].timestamp / 1000.0)
 
 
 def _fmt(mean: float, std: float, digits: int = 4) -> str:

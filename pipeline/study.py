@@ -54,9 +54,8 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tup
     return runs
 
 
-def run_study(
-    configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None, verbose: bool = False
-) -> int:
+def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None) -> int:
+    """Train every (seed, config) not yet finished, then compare; `prism train`s inherit the console setup."""
     from pipeline.compare import compare_arms
     from pipeline.demo import finished_run
     from pipeline.tracking.store import run_uri
@@ -83,8 +82,6 @@ def run_study(
             continue
         print(f"{head} -> {c.run_dir}  [{_elapsed(t0)} so far]", flush=True)
         cmd = [sys.executable, "-m", "pipeline.cli", "train", path, *overrides, f"run.seed={seed}"]
-        if verbose:
-            cmd.insert(3, "--verbose")
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:
             print(f"prism study: `prism {' '.join(cmd[3:])}` exited with {rc}; rerun the study to resume", flush=True)

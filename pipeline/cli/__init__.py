@@ -31,7 +31,18 @@ VERB_MODULES = (schedule, model, prepare, train, tracking, compare, eval, attent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prism", description="Prism Transformer pretraining study pipeline")
+    parser = argparse.ArgumentParser(
+        prog="prism",
+        description="Prism Transformer pretraining study pipeline",
+        epilog="example: prism demo   (the whole study in miniature, offline on CPU); prism VERB --help for each verb",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show library output (warnings, MLflow INFO, datatrove logs) on the terminal; by default it goes "
+        "to <run.output_dir>/logs/prism-VERB.log. Accepted anywhere on the command line (default: off)",
+    )
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for module in VERB_MODULES:
         module.add_parser(sub)
@@ -58,8 +69,24 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("prism-pretrain")
+    except PackageNotFoundError:  # run from a checkout without `pip install -e .`
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from pipeline import console
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    want_verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
     args = parse_args(build_parser(), argv)
+    args.verbose = want_verbose
+    console.setup(args.verb, argv, want_verbose)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ScheduleError) as e:  # bad input: one line, no traceback

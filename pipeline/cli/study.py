@@ -38,4 +38,4 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "give at least one CONFIG, e.g. prism study configs/tiny_uniform.yaml configs/tiny_prism.yaml"
         )
-    return run_study(configs, parse_seeds(args.seeds), overrides, args.out, getattr(args, "verbose", False))
+    return run_study(configs, parse_seeds(args.seeds), overrides, args.out)

@@ -83,6 +83,9 @@ def test_throughput_leaves_out_the_first_step_and_overlap_is_noted():
     rate, span = throughput([m(1, 30_000, 1024), m(2, 30_500, 2048), m(4, 32_000, 4096), m(2, 30_400, 2048)])
     assert rate == pytest.approx(3 * 1024 / 2.0) and span == (30.0, 32.0)
     assert math.isnan(throughput([m(1, 1, 1)])[0])
+    # a stop after step 4 and a resume 10 min later: the gap counts neither tokens nor time
+    resumed = [m(1, 0, 1024), m(2, 1000, 2048), m(3, 2000, 3072), m(4, 3000, 4096), m(5, 603_000, 5120)]
+    assert throughput([*resumed, m(6, 604_000, 6144)])[0] == pytest.approx(1024.0)
     runs = [run("uniform", 1, 5.8, span=(0, 10)), run("prism", 1, 5.7, "3x2", span=(5, 15))]
     assert shared_machine(runs) == sorted(r.name for r in runs)
     assert "overlapped in time" in markdown(summarize(runs), "x", shared_machine(runs))
