@@ -38,6 +38,29 @@ def default_log_path(verb: str, argv: list[str]) -> Path:
     return Path(out) / "logs" / f"prism-{verb}.log"
 
 
+@contextlib.contextmanager
+def routed(verb: str, argv: list[str], want_verbose: bool) -> Iterator[Path | None]:
+    """`setup` for the length of one CLI call, then the environment and logging as they were (tests call
+    `main` many times in one process)."""
+    keys = (LOG_ENV, VERBOSE_ENV, "MLFLOW_LOGGING_LEVEL")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    warned = logging.getLogger("py.warnings")
+    saved_log = (warned.handlers[:], warned.propagate)
+    try:
+        yield setup(verb, argv, want_verbose)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for h in warned.handlers:
+            if h not in saved_log[0]:
+                h.close()
+        warned.handlers, warned.propagate = saved_log
+        logging.captureWarnings(False)
+
+
 def setup(verb: str, argv: list[str], want_verbose: bool) -> Path | None:
     """Route library output for this process (call before torch/megatron/mlflow are imported)."""
     if want_verbose or verbose():

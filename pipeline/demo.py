@@ -69,14 +69,27 @@ def finished_run(cfg) -> str | None:
     return found[0].info.run_id if found else None
 
 
-def run_demo(overrides: list[str], preset_dir: str | Path = "configs") -> int:
+def find_presets(preset_dir: str | Path | None = None) -> Path:
+    """The folder with tiny_{uniform,prism}.yaml: the one given, else ./configs, else configs/ beside the
+    package (a checkout or an editable install), so `prism demo` runs from any directory."""
+    if preset_dir is not None:
+        return Path(preset_dir)
+    for folder in (Path("configs"), Path(__file__).resolve().parents[1] / "configs"):
+        if all((folder / f"tiny_{arm}.yaml").is_file() for arm in ARMS):
+            return folder
+    from pipeline.config import ConfigError
+
+    raise ConfigError("no tiny_uniform.yaml / tiny_prism.yaml in ./configs or beside the package; pass --preset-dir")
+
+
+def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
     from pipeline import config
     from pipeline.config import ConfigError, changed_keys
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
-    presets = {arm: str(Path(preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
+    presets = {arm: str(find_presets(preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
     cfgs = {arm: config.load(path, overrides) for arm, path in presets.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
     if differ:

@@ -46,7 +46,51 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for module in VERB_MODULES:
         module.add_parser(sub)
+    for name, p in _all_parsers(sub):
+        p.formatter_class = HelpWithDefaults
+        if not p.epilog and name in EXAMPLES:
+            p.epilog = f"example: {EXAMPLES[name]}"
     return parser
+
+
+# The example each verb's --help ends with (a verb module may set its own epilog instead).
+EXAMPLES = {
+    "schedule validate": "prism schedule validate --d-model 768 --layers 12 --h-base 12 --heads 3x2,6x2,8x2,12x6",
+    "schedule show": "prism schedule show configs/prism_124m.yaml",
+    "schedule enumerate": "prism schedule enumerate --d-model 192 --layers 8 --h-base 12 --limit 10",
+    "model report": "prism model report configs/prism_354m.yaml parallel.tp=2",
+    "prepare": "prism prepare configs/tiny_prism.yaml --overwrite data.tasks=2",
+    "train": "prism train configs/tiny_prism.yaml run.seed=2 train.train_tokens=81920",
+    "tracking sync": "prism tracking sync runs/prism-tiny-s1234 --tracking-uri http://127.0.0.1:5000",
+    "compare": "prism compare --experiment prism-tiny --tracking-uri sqlite:///runs/mlflow.db",
+    "eval": "prism eval runs/prism-tiny-s1234/checkpoints --tasks piqa,arc_easy --limit 50",
+    "attention-distance": "prism attention-distance runs/prism-tiny-s1234/checkpoints "
+    "--compare runs/uniform-tiny-s1234/checkpoints --sequences 16",
+    "sweep": "prism sweep launchers/sweeps/example.yaml --dry-run",
+    "study": "prism study configs/tiny_uniform.yaml configs/tiny_prism.yaml --seeds 3 run.output_dir=runs/study",
+    "demo": "prism demo run.output_dir=/tmp/prism-demo",
+}
+
+
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (unless it states one); epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.default is None or action.default is False:
+            return f"{text} (default: {'off' if action.default is False else 'none'})"
+        return f"{text} (default: %(default)s)"
+
+
+def _all_parsers(sub: argparse._SubParsersAction, prefix: str = ""):
+    """(name, parser) of every verb and nested action, e.g. ('schedule show', parser)."""
+    for name, p in sub.choices.items():
+        yield prefix + name, p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                yield from _all_parsers(action, f"{prefix}{name} ")
 
 
 # Where a verb collects its dotted KEY=VALUE overrides (the first of these its namespace has).
@@ -86,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--verbose"]
     args = parse_args(build_parser(), argv)
     args.verbose = want_verbose
-    console.setup(args.verb, argv, want_verbose)
-    try:
-        return int(args.func(args) or 0)
-    except (ConfigError, ScheduleError) as e:  # bad input: one line, no traceback
-        print(f"prism {args.verb}: error: {e}", file=sys.stderr)
-        return 2
+    with console.routed(args.verb, argv, want_verbose):
+        try:
+            return int(args.func(args) or 0)
+        except (ConfigError, ScheduleError) as e:  # bad input: one line, no traceback
+            print(f"prism {args.verb}: error: {e}", file=sys.stderr)
+            return 2
