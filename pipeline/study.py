@@ -54,19 +54,25 @@ def plan(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tup
     return runs
 
 
-def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None) -> int:
-    """Train every (seed, config) not yet finished, then compare; `prism train`s inherit the console setup."""
+def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None, jobs: int = 1) -> int:
+    """Train every (seed, config) not yet finished, then compare; `prism train`s inherit the console setup.
+
+    ``jobs`` > 1 runs that many at once (each one's console in <output_dir>/logs/<run name>.log): faster on a
+    machine with spare cores, and the comparison then notes that their tokens/s shared the machine."""
     from pipeline.compare import compare_arms
     from pipeline.demo import finished_run
     from pipeline.tracking.store import run_uri
 
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs} must be >= 1")
     t0 = time.monotonic()
     runs = plan(configs, seeds, overrides)
     cfg = runs[0][2]
     steps = cfg.steps(1)["total"]
+    how = "one after another" if jobs == 1 else f"{jobs} at a time"
     print(
         f"prism study: {len(configs)} configs x {len(seeds)} seeds = {len(runs)} runs of {steps} steps x "
-        f"{cfg.train.batch_tokens} tokens, one after another -> experiment {cfg.experiment}",
+        f"{cfg.train.batch_tokens} tokens, {how} -> experiment {cfg.experiment}",
         flush=True,
     )
     from data_prep.build import prepare
@@ -74,18 +80,48 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     for dataset_dir in sorted({c.data.dataset_dir for _, _, c in runs}):  # builds, resumes or reuses it
         prepare(next(c for _, _, c in runs if c.data.dataset_dir == dataset_dir))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    running: list[tuple[str, list[str], subprocess.Popen, Any]] = []
+    failed: list[str] = []
+
+    def reap(block: bool) -> None:
+        for item in list(running):
+            name, cmd, proc, log = item
+            if block or proc.poll() is not None:
+                rc = proc.wait()
+                if log is not None:
+                    log.close()
+                running.remove(item)
+                print(f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{_elapsed(t0)} so far]", flush=True)
+                if rc != 0:
+                    failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
+
     for i, (seed, path, c) in enumerate(runs, start=1):
         done = finished_run(c)
         head = f"[{i}/{len(runs)}] {c.run_name} (schedule {c.schedule.heads})"
         if done:
             print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
             continue
-        print(f"{head} -> {c.run_dir}  [{_elapsed(t0)} so far]", flush=True)
+        while len(running) >= jobs:
+            reap(block=False)
+            time.sleep(1.0)
         cmd = [sys.executable, "-m", "pipeline.cli", "train", path, *overrides, f"run.seed={seed}"]
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            print(f"prism study: `prism {' '.join(cmd[3:])}` exited with {rc}; rerun the study to resume", flush=True)
-            return rc
+        if jobs == 1:
+            print(f"{head} -> {c.run_dir}  [{_elapsed(t0)} so far]", flush=True)
+            running.append((c.run_name, cmd, subprocess.Popen(cmd, env=env), None))
+            reap(block=True)
+        else:
+            log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = log_path.open("a")
+            print(f"{head} -> {c.run_dir}, console in {log_path}  [{_elapsed(t0)} so far]", flush=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((c.run_name, cmd, proc, log))
+        if failed:
+            break
+    reap(block=True)
+    if failed:
+        print(f"prism study: {'; '.join(failed)}; rerun the study to resume", flush=True)
+        return 1
     uri = run_uri(cfg)
     result = compare_arms(cfg.experiment, uri, out or Path(cfg.run.output_dir) / "compare" / cfg.experiment)
     print(result["table"])

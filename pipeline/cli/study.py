@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="YAML presets (arms or schedules of one scale) and dotted overrides applied to all of them",
     )
     p.add_argument("--seeds", default="3", help="a count N (seeds 1..N), a list 1,2,3 or a range 1-3")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs trained at once (more than 1 makes their tokens/s incomparable)"
+    )
     p.add_argument("--out", default=None, help="report folder; None means <run.output_dir>/compare/<experiment>")
     p.set_defaults(func=run)
 
@@ -38,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "give at least one CONFIG, e.g. prism study configs/tiny_uniform.yaml configs/tiny_prism.yaml"
         )
-    return run_study(configs, parse_seeds(args.seeds), overrides, args.out)
+    return run_study(configs, parse_seeds(args.seeds), overrides, args.out, args.jobs)
