@@ -329,46 +329,70 @@ def interpolate(run: RunSeries, grid: list[float]) -> list[float]:
     return list(np.interp(grid, tokens, losses))
 
 
+def compact_tokens(x: float, _pos: Any = None) -> str:
+    """Axis label for a token count: 0, 950, 200k, 1.5M, 2.9B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.0f}"
+
+
+def _series_label(arm: str, schedule: str) -> str:
+    return arm if arm == "uniform" else f"prism {schedule}"
+
+
 def plot(runs: list[RunSeries], out_dir: Path) -> list[Path]:
+    """Per scale: val loss vs tokens (mean line, ±1 std band over seeds, a marker at every measured point)
+    and Δ val loss vs tokens per Prism schedule, on the tokens where the uniform arm measured val loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter
 
     paths: list[Path] = []
-    colors = {"uniform": "tab:blue", "prism": "tab:orange"}
+    palette = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
     for scale in sorted({r.scale for r in runs}):
         scale_runs = [r for r in runs if r.scale == scale and r.val]
         grid = token_grid(scale_runs) if scale_runs else []
         if not grid:
             continue
-        means = {}
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for arm in ARMS:
-            group = [r for r in scale_runs if r.arm == arm]
-            if not group:
-                continue
+        keys = sorted({(r.arm, r.schedule) for r in scale_runs}, key=lambda k: (ARMS.index(k[0]), k[1]))
+        colors = {k: "tab:blue" if k[0] == "uniform" else palette[i % len(palette)] for i, k in enumerate(keys)}
+        groups = {k: [r for r in scale_runs if (r.arm, r.schedule) == k] for k in keys}
+        fig, ax = plt.subplots(figsize=(6.8, 4.4))
+        for key, group in groups.items():
             curves = np.array([interpolate(r, grid) for r in group])
             mean = curves.mean(axis=0)
-            means[arm] = mean
-            ax.plot(grid, mean, color=colors[arm], label=f"{arm} (n={len(group)})")
+            ax.plot(grid, mean, color=colors[key], label=f"{_series_label(*key)} (n={len(group)})")
+            for r in group:  # the measured points themselves: the line between them is interpolation
+                ax.plot([t for _, t, _ in r.val], [v for _, _, v in r.val], "o", ms=3, color=colors[key], alpha=0.6)
             if len(group) > 1:
                 std = curves.std(axis=0, ddof=1)
-                ax.fill_between(grid, mean - std, mean + std, color=colors[arm], alpha=0.25)
-        ax.set(
-            xlabel="tokens",
-            ylabel="validation loss",
-            title=f"{scale}: val loss vs tokens (mean ± std over seeds)",
-        )
+                ax.fill_between(grid, mean - std, mean + std, color=colors[key], alpha=0.2, lw=0)
+        ax.set(xlabel="training tokens", ylabel="validation loss (nats/token)")
+        ax.set_title(f"{scale}: validation loss vs tokens\nline: mean over seeds, band: ±1 std, dots: measured")
+        ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
         ax.legend()
         ax.grid(alpha=0.3)
         paths.append(_save(fig, out_dir / f"val_loss_vs_tokens_{scale}.png"))
-        if len(means) == 2:
-            fig, ax = plt.subplots(figsize=(6.4, 4.2))
-            ax.plot(grid, means["prism"] - means["uniform"], color="tab:green")
+        uniform = groups.get(("uniform", next((k[1] for k in keys if k[0] == "uniform"), "")))
+        prism_keys = [k for k in keys if k[0] == "prism"]
+        if uniform and prism_keys:
+            lo, hi = grid[0], grid[-1]
+            points = sorted({t for r in uniform for _, t, _ in r.val if lo <= t <= hi}) or grid
+            base = np.array([interpolate(r, points) for r in uniform]).mean(axis=0)
+            fig, ax = plt.subplots(figsize=(6.8, 4.4))
+            for key in prism_keys:
+                curves = np.array([interpolate(r, points) for r in groups[key]])
+                delta = curves.mean(axis=0) - base
+                ax.plot(points, delta, "o-", ms=4, color=colors[key], label=f"{_series_label(*key)}")
             ax.axhline(0.0, color="black", lw=0.8)
-            ax.set(xlabel="tokens", ylabel="Δ val loss (Prism − uniform)", title=f"{scale}: Δ val loss vs tokens")
+            ax.set(xlabel="training tokens", ylabel="Δ val loss, Prism − uniform (nats/token)")
+            ax.set_title(f"{scale}: Δ validation loss vs tokens (mean over seeds)\nbelow 0 = Prism better")
+            ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
+            ax.legend()
             ax.grid(alpha=0.3)
             paths.append(_save(fig, out_dir / f"delta_val_loss_vs_tokens_{scale}.png"))
     return paths
@@ -411,11 +435,16 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
 
 def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
     """Load the experiment's training runs, write the report into ``out_dir`` and (optionally) log it."""
-    runs = load_runs(experiment, tracking_uri)
+    every = load_runs(experiment, tracking_uri)
+    # A run still going (or stopped) has no final val loss yet: it would pull the means toward early losses.
+    runs = [r for r in every if r.status == "FINISHED"] or every
+    unfinished = sorted(r.name for r in every if r not in runs)
     rows = summarize(runs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, experiment, shared_machine(runs))
+    if unfinished:
+        table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
     paths = [_write(out / "comparison.md", table), _write(out / "comparison.csv", to_csv(rows))]
     paths += plot(runs, out)
     run_id = log_comparison(experiment, tracking_uri, paths, runs) if log_to_mlflow else None

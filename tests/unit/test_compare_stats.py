@@ -91,3 +91,20 @@ def test_throughput_leaves_out_the_first_step_and_overlap_is_noted():
     assert "overlapped in time" in markdown(summarize(runs), "x", shared_machine(runs))
     runs[1].host = "other"
     assert shared_machine(runs) == []
+
+
+def test_compact_token_ticks():
+    from pipeline.compare import compact_tokens
+
+    assert [compact_tokens(x) for x in (0, 950, 200_000, 1_500_000, 2.88e9)] == ["0", "950", "200k", "1.5M", "2.88B"]
+
+
+def test_plots_one_curve_per_schedule_with_measured_points(tmp_path):
+    from pipeline.compare import plot
+
+    runs = [run("uniform", s, 5.8 + s / 100) for s in (1, 2)]
+    runs += [run("prism", s, 5.7 + s / 100, "3x2,6x2,12x4") for s in (1, 2)]
+    runs += [run("prism", s, 5.9 + s / 100, "6x4,12x4") for s in (1, 2)]
+    paths = plot(runs, tmp_path)
+    assert [p.name for p in paths] == ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
