@@ -80,6 +80,8 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     for dataset_dir in sorted({c.data.dataset_dir for _, _, c in runs}):  # builds, resumes or reuses it
         prepare(next(c for _, _, c in runs if c.data.dataset_dir == dataset_dir))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:  # share the cores instead of each run taking all of them
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     running: list[tuple[str, list[str], subprocess.Popen, Any]] = []
     failed: list[str] = []
 
