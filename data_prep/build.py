@@ -259,7 +259,9 @@ def prepare_inputs(cfg: Config) -> str:
             print(f"prism prepare: building the embedded corpus (text installed with Python) -> {d.input}", flush=True)
             build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
         if d.tokenizer.endswith(".json") and not Path(d.tokenizer).exists():  # a path, not a Hub name
-            print(f"prism prepare: training a {cfg.model.vocab_size}-token BPE tokenizer -> {d.tokenizer}", flush=True)
+            print(
+                f"prism prepare: training a BPE tokenizer (vocab {cfg.model.vocab_size}) -> {d.tokenizer}", flush=True
+            )
             train_bpe_tokenizer(d.input, d.tokenizer, cfg.model.vocab_size, d.eos_token)
     check_input(cfg)
     return resolve_tokenizer(cfg)
