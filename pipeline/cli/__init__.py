@@ -72,8 +72,8 @@ EXAMPLES = {
 }
 
 
-class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
-    """Every flag's help ends with its default (unless it states one); epilogs keep their line breaks."""
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every flag's help ends with its default (unless it states one)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -53,7 +53,7 @@ def test_every_verb_help_states_defaults_and_ends_with_an_example():
         if any(isinstance(a, argparse._SubParsersAction) for a in p._actions):
             continue  # a group (schedule, model, tracking): its actions carry the examples
         text = p.format_help()
-        assert text.rstrip().splitlines()[-1].startswith("example: prism "), name
+        assert text.rstrip().split("\n\n")[-1].startswith("example: prism "), name  # the last paragraph
         for action in p._actions:
             if action.option_strings and action.default is not argparse.SUPPRESS:
                 assert action.help, f"prism {name} {action.option_strings[0]} has no help"
