@@ -8,6 +8,7 @@ val-loss milestones (first step and token count at which val/loss <= x), which s
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten
+from pipeline.redaction import redact_uri
 from pipeline.tracking import store
 from pipeline.tracking.journal import Delivery, Journal
 
@@ -92,10 +94,14 @@ class MlflowTracker:
         self.reached: dict[float, dict[str, int]] = {}
         self.tokens_seen = 0
         self.delivery = Delivery(self.uri, cfg.experiment, self.journal)
+        self.finished = True  # until start(); an exit between start() and finish() is a crash
 
     # --- the interface ---------------------------------------------------------------------------
     def start(self, cfg: Config, run_id: str | None = None) -> str | None:
         self.cfg = cfg
+        if self.finished:
+            self.finished = False
+            atexit.register(self._failed_if_unfinished)
         state = self.journal.state()
         if run_id is not None and state["run_id"] not in (None, run_id):
             # The checkpoint is the source of truth (e.g. a journal copied from another run).
@@ -104,12 +110,14 @@ class MlflowTracker:
                 run_id,
                 state["run_id"],
             )
+        shown_uri = redact_uri(self.uri)  # the state file never holds a password; sync takes it from the env
         if run_id is not None:
-            self.journal.save_state(run_id=run_id, uri=self.uri, experiment=cfg.experiment)
+            self.journal.save_state(run_id=run_id, uri=shown_uri, experiment=cfg.experiment)
         else:
-            self.journal.save_state(uri=self.uri, experiment=cfg.experiment)
+            self.journal.save_state(uri=shown_uri, experiment=cfg.experiment)
         self._restore_milestones()
         params = {k: _param_value(v) for k, v in flatten(cfg.to_dict()).items()}
+        params["tracking.uri"] = _param_value(redact_uri(cfg.tracking.uri))
         self.journal.append(
             {"op": "start", "time": _now_ms(), "run_name": cfg.run_name, "tags": run_tags(cfg), "params": params}
         )
@@ -142,6 +150,8 @@ class MlflowTracker:
         self._deliver()
 
     def finish(self, status: str = "FINISHED") -> None:
+        self.finished = True
+        atexit.unregister(self._failed_if_unfinished)
         if self.milestones:
             missed = [x for x in self.milestones if x not in self.reached]
             tags = {f"milestone.val_{x!r}": "not reached" for x in missed}
@@ -156,11 +166,18 @@ class MlflowTracker:
             log.warning(
                 "tracking: %d records not delivered to %s; run `prism tracking sync %s` later",
                 len(self.journal.pending()),
-                self.uri,
+                redact_uri(self.uri),
                 self.journal.folder,
             )
 
     # --- helpers ---------------------------------------------------------------------------------
+    def _failed_if_unfinished(self) -> None:
+        """At interpreter exit: a run that started and never finished crashed (an exception escaped the
+        loop); mark it FAILED in the journal and the store rather than leave it RUNNING for ever."""
+        if not self.finished:
+            log.warning("tracking: the run ended without finishing; marking it FAILED")
+            self.finish("FAILED")
+
     def _deliver(self, force: bool = False) -> None:
         if not self.online and not force and time.monotonic() < self.next_try:
             return
@@ -170,7 +187,7 @@ class MlflowTracker:
             if self.online:
                 log.warning(
                     "tracking: MLflow at %s unavailable (%s); buffering in %s",
-                    self.uri,
+                    redact_uri(self.uri),
                     str(e).splitlines()[0][:200],
                     self.journal.path,
                 )
@@ -178,7 +195,7 @@ class MlflowTracker:
             self.next_try = time.monotonic() + self.retry_after_s
             return
         if not self.online:
-            log.warning("tracking: MLflow at %s is back; replayed the buffered records", self.uri)
+            log.warning("tracking: MLflow at %s is back; replayed the buffered records", redact_uri(self.uri))
             self.online = True
             if self.run_id is None:  # the run was created only now
                 self.run_id = self.journal.state()["run_id"]
