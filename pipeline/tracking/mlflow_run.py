@@ -9,6 +9,7 @@ val-loss milestones (first step and token count at which val/loss <= x), which s
 from __future__ import annotations
 
 import atexit
+import getpass
 import json
 import logging
 import os
@@ -68,6 +69,11 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "git_commit": git_commit(),
         "config_hash": cfg.hash(),
         "hostname": socket.gethostname(),
+        # MLflow's own tags: the UI's "Source", "Version" and "Created by" columns read these.
+        "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",
+        "mlflow.source.name": f"prism train {cfg.source}",
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.user": _user(),
         "mlflow.note.content": f"{cfg.run.arm} arm, schedule {schedule.compact(cfg.heads_per_layer)}, "
         f"seed {cfg.run.seed}, config {cfg.source}",
     }
@@ -134,7 +140,7 @@ class MlflowTracker:
         if "tokens_seen" in metrics:
             self.tokens_seen = int(metrics["tokens_seen"])
         if "val/loss" in metrics:
-            metrics.update(self._new_milestones(metrics["val/loss"], step))
+            self._new_milestones(metrics["val/loss"], step)
         self.journal.append({"op": "metrics", "time": _now_ms(), "step": int(step), "metrics": metrics})
         self._deliver()
         if self.online and self.run_id is not None:
@@ -169,6 +175,20 @@ class MlflowTracker:
                 redact_uri(self.uri),
                 self.journal.folder,
             )
+
+    def ui_url(self) -> str | None:
+        """Where to look at this run in the MLflow UI (password masked), or None before the run exists."""
+        run_id = self.journal.state().get("run_id")
+        if run_id is None:
+            return None
+        try:
+            exp_id = self.delivery.experiment_id()
+        except Exception:  # noqa: BLE001 - the store went away since start(); the URL is a nicety
+            return None
+        page = f"#/experiments/{exp_id}/runs/{run_id}"
+        if self.uri.startswith(("http://", "https://")):
+            return f"{redact_uri(self.uri).rstrip('/')}/{page}"
+        return f"http://127.0.0.1:5000/{page} (after: mlflow ui --backend-store-uri {redact_uri(self.uri)})"
 
     # --- helpers ---------------------------------------------------------------------------------
     def _failed_if_unfinished(self) -> None:
@@ -218,32 +238,40 @@ class MlflowTracker:
             log.warning("tracking: system metrics off (%s)", e)
             self.monitor = None
 
-    def _new_milestones(self, val_loss: float, step: int) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def _new_milestones(self, val_loss: float, step: int) -> None:
+        """Milestones are tags (one value each, shown in the run's overview), not metrics: as metrics they
+        led every chart view with single points. Runs logged before this kept them as metrics; the reader
+        (pipeline/compare.py) takes either."""
         tags: dict[str, str] = {}
         for x in self.milestones:
             if x in self.reached or not val_loss <= x:
                 continue
             self.reached[x] = {"step": step, "tokens": self.tokens_seen}
-            out[milestone_key(x, "tokens")] = float(self.tokens_seen)
-            out[milestone_key(x, "step")] = float(step)
+            tags[milestone_key(x, "tokens")] = str(self.tokens_seen)
+            tags[milestone_key(x, "step")] = str(step)
             tags[f"milestone.val_{x!r}"] = f"reached at step {step}, {self.tokens_seen} tokens"
         if tags:
             self.journal.append({"op": "tags", "time": _now_ms(), "tags": tags})
-        return out
 
     def _restore_milestones(self) -> None:
         """After a resume, milestones already logged by this run stay reached (they were first)."""
         for rec in self.journal.records():
-            if rec["op"] != "metrics":
+            if rec["op"] not in ("metrics", "tags"):
                 continue
-            m = rec["metrics"]
+            m = rec.get("metrics") or rec.get("tags")
             for x in self.milestones:
                 if x not in self.reached and milestone_key(x, "step") in m:
                     self.reached[x] = {
                         "step": int(m[milestone_key(x, "step")]),
                         "tokens": int(m[milestone_key(x, "tokens")]),
                     }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        return os.environ.get("USER", "unknown")
 
 
 def _param_value(v: Any) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from pipeline.tracking import store
+from pipeline.tracking.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,28 @@ def test_repair_renames_back_a_copy_whose_table_was_already_dropped(tmp_path):
     con.close()
     assert store.repair_interrupted_migration(db) == ["renamed _alembic_tmp_experiments back to experiments"]
     assert sqlite3.connect(db).execute("SELECT name FROM experiments").fetchall() == [("kept",)]
+
+
+TRAINER_START = """
+import sys
+from pipeline import config
+from pipeline.tracking.mlflow_run import MlflowTracker
+cfg = config.load("configs/tiny_prism.yaml", [f"run.output_dir={sys.argv[1]}", "tracking.system_metrics=false"])
+tracker = MlflowTracker(cfg)
+print("RUN", tracker.start(cfg))
+tracker.log_metrics({"train/loss": 5.0}, 1)
+tracker.finish()
+"""
+
+
+def test_a_store_that_cannot_be_opened_at_start_leaves_training_running_on_the_journal(tmp_path):
+    (tmp_path / "mlflow.db").write_bytes(b"not an sqlite database, e.g. a half-copied file " * 100)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", TRAINER_START, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RUN None" in out.stdout and "unavailable" in out.stderr and "buffering in" in out.stderr
+    (journal,) = tmp_path.rglob("tracking.jsonl")
+    ops = [r["op"] for r in Journal(journal.parent).pending()]
+    assert ops[0] == "start" and "metrics" in ops and ops[-1] == "finish"  # all kept for `prism tracking sync`
