@@ -76,6 +76,9 @@ def client(uri: str):
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+    # MLflow prints "View run … at: <uri>" when a run ends, credentials included; `prism train` prints its
+    # own (masked) link instead.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow.tracking import MlflowClient
 
     if is_redacted(uri):  # a URI read back from a journal or checkpoint: credentials come from the environment
