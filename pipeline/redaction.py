@@ -19,6 +19,14 @@ def redact_uri(uri: str | None) -> str | None:
     return _USERINFO_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", uri, count=1)
 
 
+_ANY_USERINFO_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):(?P<password>[^/@\s]*)@")
+
+
+def redact_text(text: str) -> str:
+    """Every ``scheme://user:password@`` inside ``text`` masked (library error messages quote the URI)."""
+    return _ANY_USERINFO_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
+
+
 def is_redacted(uri: str | None) -> bool:
     m = _USERINFO_PASSWORD.match(uri or "")
     return m is not None and m["password"] == MASK

@@ -22,7 +22,7 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten
-from pipeline.redaction import redact_uri
+from pipeline.redaction import redact_text, redact_uri
 from pipeline.tracking import store
 from pipeline.tracking.journal import Delivery, Journal
 
@@ -208,7 +208,7 @@ class MlflowTracker:
                 log.warning(
                     "tracking: MLflow at %s unavailable (%s); buffering in %s",
                     redact_uri(self.uri),
-                    str(e).splitlines()[0][:200],
+                    redact_text(str(e).splitlines()[0])[:200],
                     self.journal.path,
                 )
             self.online = False
@@ -235,7 +235,7 @@ class MlflowTracker:
             self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.uri)
             self.monitor.start()
         except Exception as e:  # noqa: BLE001 - system metrics are a nicety; never stop training for them
-            log.warning("tracking: system metrics off (%s)", e)
+            log.warning("tracking: system metrics off (%s)", redact_text(str(e)))
             self.monitor = None
 
     def _new_milestones(self, val_loss: float, step: int) -> None:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.redaction import is_redacted, redact_uri, without_userinfo
+from pipeline.redaction import is_redacted, redact_text, redact_uri, without_userinfo
 
 SQLITE = "sqlite:///"
 STORE_FILE = "mlflow.db"
@@ -161,10 +161,10 @@ def log_to_run(
         for artifact_dir, file in artifacts:
             mlflow.log_artifact(run_id, str(file), artifact_path=artifact_dir)
     except Exception as e:  # noqa: BLE001 (any tracking failure is reported, not raised)
-        log.warning("MLflow logging to %s failed: %s", redact_uri(uri), e)
+        log.warning("MLflow logging to %s failed: %s", redact_uri(uri), redact_text(str(e)))
         return {
             "logged": False,
-            "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            "reason": f"{type(e).__name__}: {redact_text(str(e).splitlines()[0]) if str(e) else ''}",
             "uri": redact_uri(uri),
             "run_id": run_id,
         }
