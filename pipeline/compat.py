@@ -25,10 +25,17 @@ import torch
 log = logging.getLogger(__name__)
 
 _CPU_SHIMS_APPLIED = False
+_CPU_DEVICE_CHOSEN = False  # train.device=cpu on a host with a GPU: behave as on a CPU-only torch
+
+
+def use_cpu_device() -> None:
+    """Train on the CPU although CUDA is there (pipeline.distributed calls it for train.device=cpu)."""
+    global _CPU_DEVICE_CHOSEN
+    _CPU_DEVICE_CHOSEN = True
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and not _CPU_DEVICE_CHOSEN
 
 
 def apply_cpu_shims() -> None:

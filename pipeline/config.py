@@ -55,6 +55,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
+    # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
+    spec: Literal["local", "transformer_engine"] = "local"
 
 
 @dataclass(frozen=True)

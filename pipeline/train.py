@@ -25,7 +25,7 @@ from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
-from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
+from pipeline.distributed import StopSignal, deepspeed_device_args, dp_mean, dp_sum, init_model_parallel, train_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 
@@ -43,7 +43,7 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
     """nanoGPT's split (the codebase the paper extends): every parameter with >= 2 dims decays, the (tied)
     token embedding included; only 1-dim ones (biases, norm weights) don't."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -85,7 +85,11 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
     deepspeed = compat.import_deepspeed()
     optimizer = make_optimizer(cfg, model)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, mpu=compat.MegatronMpu(), config=deepspeed_config(cfg, grad_accum, dp_size)
+        args=deepspeed_device_args(),  # this worker's GPU, not LOCAL_RANK (one GPU per Slurm task)
+        model=model,
+        optimizer=optimizer,
+        mpu=compat.MegatronMpu(),
+        config=deepspeed_config(cfg, grad_accum, dp_size),
     )
     return engine, optimizer
 
@@ -258,15 +262,17 @@ def train(cfg: Config) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from pipeline.model import build_model
+    from pipeline.model.gpt import check_spec
     from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     resume_tag = checkpoint.check_resume(cfg)
+    check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     manifest = data.read_manifest(cfg.data.dataset_dir)
     data.check_compatible(manifest, cfg)
     device = train_device(cfg)
 
-    init_model_parallel(cfg.parallel.tp, cfg.run.seed)
+    init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     plan = cfg.steps(dp_size)
