@@ -16,6 +16,7 @@ GRAD_ACCUM = 4
 MICRO = 2
 TINY = [
     "model.num_layers=2",
+    "model.h_base=4",
     "schedule.heads=4x2",
     "model.seq_len=32",
     "model.vocab_size=512",

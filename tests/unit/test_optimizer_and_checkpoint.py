@@ -34,7 +34,9 @@ def test_weight_decay_groups_follow_nanogpt_embedding_decays_norms_do_not():
     from pipeline.model import build_model
     from pipeline.train import make_optimizer
 
-    cfg = config.load(PRESET, SMALL)
+    cfg = config.load(
+        PRESET, ["model.num_layers=4", "model.h_base=4", "schedule.heads=2x2,4x2", "train.precision=fp32"]
+    )
     distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg)
     opt = make_optimizer(cfg, model)
