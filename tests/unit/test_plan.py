@@ -177,3 +177,15 @@ def test_allow_repeat_and_verify_on_start_may_change_on_resume():
     assert config.changed_keys(old, config.load(ROOT / "configs" / "tiny_prism.yaml", ["data.limit=5"]).to_dict()) == [
         "data.limit"
     ]
+
+
+def test_gpu_name_takes_its_peak_from_the_table(capsys):
+    from pipeline.cli import main
+    from pipeline.hardware import PEAK_BF16_FLOPS
+
+    name, peak = next(iter(PEAK_BF16_FLOPS.items()))
+    assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", name]) == 0
+    want = plan.make_plan(config.load(P757), 1, 8, peak_flops=peak)
+    assert f"of {peak / 1e12:,.0f} TFLOP/s per GPU" in capsys.readouterr().out and want.wall_seconds
+    assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", "H100"]) == 2  # no substring match
+    assert "not in the peak-FLOPs table" in capsys.readouterr().err
