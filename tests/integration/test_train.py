@@ -27,7 +27,8 @@ from pipeline.config import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "tiny_prism.yaml"
 STEPS, CKPT_EVERY = 6, 3
-# 4 layers (6 heads of 32, then the tiny baseline 12 of 16: both split at TP=2), 2 x 128 tokens per micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
+# 4 layers (6 heads of 32, then the tiny baseline 12 of 16: both split at TP=2), 2 x 128 tokens per
+# micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
 SMALL = [
     "model.num_layers=4",
     "schedule.heads=6x2,12x2",
