@@ -209,12 +209,14 @@ def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP."""
-    from megatron.core import tensor_parallel
+    """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
+
+    Chunked (pipeline.model.loss): the logits stay in the model's dtype, no fp32 [b, s, V] copy is held."""
+    from pipeline.model.loss import chunked_cross_entropy
 
     logits = _forward_local_logits(model, tokens[:, :-1])
-    targets = tokens[:, 1:].to(logits.device)
-    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean()
+    targets = tokens[:, 1:].to(logits.device, non_blocking=True)
+    return chunked_cross_entropy(logits, targets)
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:
