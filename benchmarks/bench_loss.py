@@ -50,22 +50,23 @@ def peak(device: str) -> int:
     return rss_bytes("VmHWM")
 
 
-def megatron_loss(logits, targets):
+def megatron_path(hidden, weight, targets):
+    """Before: GPTModel returned [b, s, V] logits (a copy of [s, b, V]); lm_loss took megatron's fp32 CE."""
     from megatron.core import tensor_parallel
 
+    logits = (hidden @ weight.t()).transpose(0, 1).contiguous()
     return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean()
 
 
-def chunked_loss(logits, targets):
-    from pipeline.model.loss import chunked_cross_entropy
+def chunked_path(hidden, weight, targets):
+    """After: the model's labels path with the chunked loss hook on the [s, b, V] logits."""
+    from pipeline.model.loss import sequence_first_loss
 
-    return chunked_cross_entropy(logits, targets)
+    return sequence_first_loss(None, targets, hidden @ weight.t()).mean()
 
 
-def loss_path(loss_fn, hidden, weight, targets):
-    logits = (hidden @ weight.t()).transpose(0, 1).contiguous()  # as GPTModel: [s, b, V] -> [b, s, V]
-    loss = loss_fn(logits, targets)
-    del logits
+def loss_path(path, hidden, weight, targets):
+    loss = path(hidden, weight, targets)
     loss.backward()
     return loss.detach()
 
@@ -91,7 +92,7 @@ def main() -> None:
     targets = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
     hidden.requires_grad_()
     weight.requires_grad_()
-    arms = {"megatron_fp32": megatron_loss, "chunked": chunked_loss}
+    arms = {"megatron_fp32": megatron_path, "chunked": chunked_path}
     mem: dict[str, list[int]] = {a: [] for a in arms}
     secs: dict[str, list[float]] = {a: [] for a in arms}
     losses: dict[str, float] = {}

@@ -168,6 +168,7 @@ def build_model(cfg: Config, *, meta: bool = False):
     from megatron.core.models.gpt import GPTModel
 
     from pipeline import compat
+    from pipeline.model.loss import use_chunked_loss
 
     check_tp_groups(cfg)
     compat.apply_cpu_shims()
@@ -195,6 +196,7 @@ def build_model(cfg: Config, *, meta: bool = False):
             position_embedding_type="none",  # RoPE is applied per layer (PrismSelfAttention)
         )
     model.prism_vocab_size = cfg.model.vocab_size  # logits() cuts the padding off
+    use_chunked_loss(model)  # lm_loss: chunked vocab-parallel cross-entropy on megatron's labels path
     if config.bf16 and not meta:
         model.bfloat16()  # norms are created in fp32 otherwise
     if use_cuda(cfg) and not meta:
@@ -211,12 +213,12 @@ def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
 
-    Chunked (pipeline.model.loss): the logits stay in the model's dtype, no fp32 [b, s, V] copy is held."""
-    from pipeline.model.loss import chunked_cross_entropy
-
-    logits = _forward_local_logits(model, tokens[:, :-1])
-    targets = tokens[:, 1:].to(logits.device, non_blocking=True)
-    return chunked_cross_entropy(logits, targets)
+    The model's loss hook is pipeline.model.loss's chunked one (build_model installs it): the logits stay
+    [s, b, V/TP] in the model's dtype, no fp32 or [b, s, V] copy of them is made."""
+    device = next(model.parameters()).device
+    inputs = tokens[:, :-1].to(device, non_blocking=True)
+    targets = tokens[:, 1:].to(device, non_blocking=True)
+    return model(inputs, None, None, labels=targets).mean()  # megatron's labels path: logits stay [s, b, V]
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:

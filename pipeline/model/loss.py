@@ -13,6 +13,8 @@ communication (d loss / d logit = softmax - onehot, both local to the slice).
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MB (333 tokens of a 50304 vocab)
@@ -79,6 +81,20 @@ class ChunkedVocabParallelCE(torch.autograd.Function):
             probs.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # softmax - onehot
             grad[a:b] = probs * grad_loss[a:b, None]
         return grad, None
+
+
+def sequence_first_loss(model, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """GPTModel.compute_language_model_loss replacement: per-token loss [b, s] from megatron's [s, b, V/TP]
+    logits and [b, s] labels, without the [s, b, V] -> [b, s, V] copy GPTModel makes when it returns logits."""
+    s, b = logits.shape[0], logits.shape[1]
+    flat = logits.reshape(s * b, logits.shape[-1])
+    per_token = ChunkedVocabParallelCE.apply(flat, labels.t().reshape(-1))
+    return per_token.view(s, b).t()
+
+
+def use_chunked_loss(model) -> None:
+    """Make ``model(inputs, None, None, labels=targets)`` use the chunked loss (megatron's own loss hook)."""
+    model.compute_language_model_loss = types.MethodType(sequence_first_loss, model)
 
 
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
