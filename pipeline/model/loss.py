@@ -43,7 +43,7 @@ class ChunkedVocabParallelCE(torch.autograd.Function):
     """Per-token loss [N] (fp32) of logits [N, V_local] (any float dtype) against int64 targets [N]."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, grad_in_logits: bool = False) -> torch.Tensor:
         group, tp, rank = _tp_group()
         n, vocab = logits.shape
         first = rank * vocab  # this rank's vocab slice: [first, first + vocab)
@@ -67,6 +67,7 @@ class ChunkedVocabParallelCE(torch.autograd.Function):
             dist.all_reduce(total, group=group)
             lse = top + torch.log(total)
             dist.all_reduce(target_logit, group=group)  # exactly one rank holds each target
+        ctx.grad_in_logits = grad_in_logits
         ctx.save_for_backward(logits, lse, local, in_slice)
         return lse - target_logit
 
@@ -74,13 +75,15 @@ class ChunkedVocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         logits, lse, local, in_slice = ctx.saved_tensors
         n, vocab = logits.shape
-        grad = torch.empty_like(logits)
+        # The logits' own buffer can take the gradient when nothing else reads them after the loss (the
+        # model's internal logits): then backward allocates nothing of [N, V] size.
+        grad = logits if ctx.grad_in_logits else torch.empty_like(logits)
         grad_loss = grad_loss.float()
         for a, b in _chunks(n, vocab):
             probs = torch.exp(logits[a:b].float() - lse[a:b, None])
             probs.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # softmax - onehot
             grad[a:b] = probs * grad_loss[a:b, None]
-        return grad, None
+        return grad, None, None
 
 
 def sequence_first_loss(model, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -88,7 +91,8 @@ def sequence_first_loss(model, labels: torch.Tensor, logits: torch.Tensor) -> to
     logits and [b, s] labels, without the [s, b, V] -> [b, s, V] copy GPTModel makes when it returns logits."""
     s, b = logits.shape[0], logits.shape[1]
     flat = logits.reshape(s * b, logits.shape[-1])
-    per_token = ChunkedVocabParallelCE.apply(flat, labels.t().reshape(-1))
+    # GPTModel never returns these logits on the labels path: backward may overwrite them with their gradient
+    per_token = ChunkedVocabParallelCE.apply(flat, labels.t().reshape(-1), True)
     return per_token.view(s, b).t()
 
 
