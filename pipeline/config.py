@@ -54,7 +54,8 @@ class ModelConfig:
     bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
-    attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # sdpa: torch picks the kernel; flash | cudnn | efficient | math pin one (pipeline.model.sdpa_backend)
+    attention_backend: Literal["sdpa", "megatron", "flash", "cudnn", "efficient", "math"] = "sdpa"
 
 
 @dataclass(frozen=True)

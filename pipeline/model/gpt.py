@@ -140,7 +140,7 @@ def layer_spec(cfg: Config, *, allow_te: bool = True):
         spec, name = gpt_layer_specs.get_gpt_layer_local_spec(normalization=norm), "local"
     attn = spec.submodules.self_attention
     attn.module = PrismSelfAttention
-    if cfg.model.attention_backend == "sdpa":
+    if cfg.model.attention_backend != "megatron":  # sdpa, or a pinned SDPA kernel
         attn.submodules.core_attention = SDPAttention
     log.info("model: %s layer spec, core attention %s", name, attn.submodules.core_attention.__name__)
     return spec
@@ -197,11 +197,22 @@ def build_model(cfg: Config, *, meta: bool = False):
         )
     model.prism_vocab_size = cfg.model.vocab_size  # logits() cuts the padding off
     use_chunked_loss(model)  # lm_loss: chunked vocab-parallel cross-entropy on megatron's labels path
+    if not meta:
+        pin_sdpa_kernel(cfg, model)
     if config.bf16 and not meta:
         model.bfloat16()  # norms are created in fp32 otherwise
     if use_cuda(cfg) and not meta:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def pin_sdpa_kernel(cfg: Config, model) -> None:
+    """Log the SDPA kernel per head dim (refusing a pinned one that cannot run here) and pin it in every layer."""
+    from pipeline.model import sdpa_backend
+
+    sdpa_backend.check_and_log(cfg, train_device(cfg))
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.sdpa_backend = sdpa_backend.pinned_backend(cfg)
 
 
 def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
