@@ -74,6 +74,11 @@ def test_deepspeed_steps_do_not_sync_until_read_back(monkeypatch):
     assert deepspeed_config(cfg, 2, 1)["timers"] == {"throughput": {"enabled": False}}
     distributed.init_model_parallel(1, cfg.run.seed)
     engine, optimizer = build_engine(cfg, build_model(cfg), grad_accum=2, dp_size=1)
+    # ZeRO-1 replaced each param group by one flat fp32 partition: the fused AdamW steps 2 tensors in all
+    assert (
+        train.optimizer_stepped(engine, optimizer)
+        == "DeepSpeedZeroOptimizer -> torch AdamW (fused) over [1, 1] tensors per param group"
+    )
     loader = FakeLoader(4, 32, cfg.model.vocab_size)
     train_step(engine, optimizer, loader, 1e-3, 2, "cpu").read_back()  # first step: lazy allocations
     with count_host_syncs() as counts:
@@ -87,3 +92,10 @@ def test_deepspeed_steps_do_not_sync_until_read_back(monkeypatch):
         values = [r.read_back() for r in results]
     assert counts["tolist"] == 3  # the read-back is the one sync per step, and the counter sees it
     assert all(np.isfinite(r.loss) and r.grad_norm > 0 for r in values)
+
+
+def test_adamw_kernels_by_device():
+    from pipeline.train import adamw_implementation
+
+    assert adamw_implementation("cuda") == {"fused": True}
+    assert adamw_implementation("cpu") == {"foreach": False}  # bit-identical to earlier CPU runs
