@@ -9,7 +9,6 @@ from pipeline import config
 from pipeline.config import ConfigError
 
 PRESET = "configs/tiny_prism.yaml"
-SMALL = ["model.num_layers=4", "schedule.heads=2x2,4x2", "train.precision=fp32"]
 
 
 def test_lr_schedule_values():
