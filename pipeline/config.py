@@ -56,7 +56,8 @@ class ModelConfig:
     bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
-    attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # sdpa: torch picks the kernel; flash | cudnn | efficient | math pin one (pipeline.model.sdpa_backend)
+    attention_backend: Literal["sdpa", "megatron", "flash", "cudnn", "efficient", "math"] = "sdpa"
     # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
     # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
     spec: Literal["local", "transformer_engine"] = "local"

@@ -81,7 +81,9 @@ class ShardLoader:
         split: str = "train",
         prefetch: int | None = None,
         manifest: dict[str, Any] | None = None,
+        pin_memory: bool = False,
     ):
+        self.pin_memory = pin_memory  # CUDA: batches in page-locked memory, so host->device copies are async
         self.dataset_dir = Path(cfg.data.dataset_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.dataset_dir)
         check_compatible(self.manifest, cfg)
@@ -162,6 +164,8 @@ class ShardLoader:
                     p.row_cursor += take
                     if have == self.batch_size:
                         batch = np.concatenate(pending).astype(np.int64)
+                        if self.pin_memory:
+                            batch = pinned(batch)
                         pending, have = [], 0
                         after = Position(**asdict(p))
                         if after.row_cursor == len(order):  # at a shard's end, point at the next one
@@ -213,6 +217,13 @@ class ShardLoader:
             self._thread.join()
             self._thread = None
             self._queue = None
+
+
+def pinned(batch: np.ndarray) -> np.ndarray:
+    """The batch copied into page-locked memory; the array is a view that keeps the pinned tensor alive."""
+    import torch
+
+    return torch.from_numpy(batch).pin_memory().numpy()
 
 
 def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.ndarray:

@@ -192,13 +192,13 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def agreed(self, device: str) -> bool:
+    def agreed(self, device: str, group: Any = None) -> bool:
         """True on every rank when any rank received a signal (a collective: every rank calls it)."""
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def restore(self) -> None:
