@@ -26,6 +26,7 @@ from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
 from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
+from pipeline.distributed import topology, topology_line, write_exit_record
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 
@@ -281,7 +282,9 @@ def train(cfg: Config) -> dict[str, Any]:
     tracker = make_tracker(cfg, rank)
     state.run_id = tracker.start(cfg, run_id=state.run_id)
     stopper = StopSignal()
+    ranks = topology()  # a collective: every rank
     if master:
+        print(f"prism train: {topology_line(ranks)}", flush=True)
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
         print(
             f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
@@ -316,7 +319,7 @@ def train(cfg: Config) -> dict[str, Any]:
             tag = checkpoint.save(engine, cfg, state)
             if master:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
-        if stop:
+        if stop and step < total_steps:  # a signal at the final step: the run is done, nothing to resume
             if master:
                 print(
                     f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
@@ -326,11 +329,13 @@ def train(cfg: Config) -> dict[str, Any]:
             exit_code = EXIT_STOPPED
             break
 
+    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
+    if master:  # before restoring the signal handlers: a late stop signal must not kill us before it is written
+        write_exit_record(reason, state.step)
     stopper.restore()
     loader.close()
     status = {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code]
     tracker.finish(status)
-    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
     return {
         "steps": state.step,
         "total_steps": total_steps,
