@@ -325,7 +325,18 @@ def submit(
     return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
 
 
-SPEC_KEYS = ("name", "arms", "scales", "seeds", "schedules", "overrides", "executor", "folder", "nproc_per_node", "slurm")
+SPEC_KEYS = (
+    "name",
+    "arms",
+    "scales",
+    "seeds",
+    "schedules",
+    "overrides",
+    "executor",
+    "folder",
+    "nproc_per_node",
+    "slurm",
+)
 SLURM_INT_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "timeout_min", "signal_delay_s", "array_parallelism")
 SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")
 

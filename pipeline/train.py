@@ -26,7 +26,6 @@ from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
 from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
-from pipeline.distributed import topology, topology_line, write_exit_record
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 
@@ -254,6 +253,7 @@ def train(cfg: Config) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from pipeline.distributed import topology, topology_line, write_exit_record
     from pipeline.model import build_model
     from pipeline.tracking import make_tracker
 
