@@ -220,17 +220,22 @@ class Sweep:
                 ]
                 raise TimeoutError(f"sweep {self.folder}: not finished after {timeout_s} s: {', '.join(left)}")
             time.sleep(poll_s)
-        return [j.result() for j in self.jobs]
+        return [first_result(j) for j in self.jobs]
 
     def failures(self) -> list[str]:
         """Block until every job ends; one line per failed job (a failed job must not hide the others')."""
         failed = []
         for p, job in zip(self.points, self.jobs):
             try:
-                job.result()
+                first_result(job)
             except Exception as e:
                 failed.append(f"{p.label}: job {job.job_id} failed: {str(e).splitlines()[-1] if str(e) else e}")
         return failed
+
+
+def first_result(job: Any) -> Any:
+    """A job's result; a multi-node job has one task per node, all returning the same: take node 0's."""
+    return job.results()[0]
 
 
 def make_executor(

@@ -337,7 +337,7 @@ def test_submitit_sweep_job_spans_two_nodes(slurm_cluster, mlflow_server, tiny_d
     results = s.wait(timeout_s=420)
     print(f"two-node sweep job: {time.monotonic() - t0:.1f} s")
     job = s.jobs[0]
-    log = job.stdout()
+    log = job.stdout()  # both tasks' (one per node); rank 0 prints the topology
     assert [r["exit_code"] for r in results] == [0], log[-3000:]
     nodes = _nodes_of(re.search(r"topology: (.*)", log).group(1))
     assert set(nodes) == set(slurm_cluster.nodes) and sorted(r for r, _ in nodes.values()) == ["0,1", "2,3"], log
