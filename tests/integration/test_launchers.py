@@ -382,3 +382,23 @@ def test_sweep_spec_errors_are_one_line_and_the_example_spec_dry_runs(tmp_path):
         out = sweep_dry_run(spec)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and want in out.stderr, (text, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_a_signal_after_the_final_checkpoint_does_not_requeue(slurm_cluster, tmp_path):
+    # A stand-in torchrun (first on PATH through PRISM_VENV's activate) does what the real step does when
+    # USR1 lands after the last checkpoint: the trainer has recorded "finished", then torchrun dies of the
+    # signal (138). The job must end COMPLETED, not requeue into a finished run, not FAILED.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:{Path(sys.executable).parent}:$PATH"\n')
+    torchrun = venv / "bin" / "torchrun"
+    torchrun.write_text('#!/bin/bash\necho "finished 4" > "$PRISM_EXIT_FILE"\nkill -USR1 $$\n')
+    torchrun.chmod(0o755)
+    log = tmp_path / "job.out"
+    env = {**_sbatch_env([f"run.output_dir={tmp_path / 'runs'}"], log), "PRISM_VENV": str(venv)}
+    job = slurm_cluster.sbatch("launchers/prism_757m.sbatch", env, ROOT)
+    slurm_cluster.wait_gone(job, 120)
+    text = log.read_text()
+    assert slurm_cluster.sacct(job) == "COMPLETED", text
+    assert "a stop signal arrived after the final checkpoint (step exit 138)" in text, text
+    assert "requeueing" not in text and "restart 1" not in text, text
