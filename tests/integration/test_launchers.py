@@ -1,4 +1,4 @@
-"""Launchers on a real local Slurm cluster (slurmctld, slurmd, slurmdbd + MariaDB) and a real MLflow server:
+"""Launchers on a real local two-node Slurm cluster (slurmctld, two slurmd, slurmdbd + MariaDB) and a real MLflow server:
 the sbatch presets run as typed with CPU overrides, pre-timeout signals checkpoint + requeue + resume
 into the same MLflow run, and a submitit sweep maps every grid point to its job and run."""
 
