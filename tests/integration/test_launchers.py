@@ -1,5 +1,5 @@
-"""Launchers on a real local two-node Slurm cluster (slurmctld, two slurmd, slurmdbd + MariaDB) and a real MLflow server:
-the sbatch presets run as typed with CPU overrides, pre-timeout signals checkpoint + requeue + resume
+"""Launchers on a real local two-node Slurm cluster (slurmctld, two slurmd, slurmdbd + MariaDB) and a real
+MLflow server: the sbatch presets run as typed with CPU overrides, pre-timeout signals checkpoint + requeue + resume
 into the same MLflow run, and a submitit sweep maps every grid point to its job and run."""
 
 from __future__ import annotations
