@@ -13,7 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline import config, schedule
+from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH_TOKENS = 1024  # 8 sequences of 128: one optimizer step per micro-batch, a few seconds per step
@@ -376,12 +379,18 @@ def test_sweep_spec_errors_are_one_line_and_the_example_spec_dry_runs(tmp_path):
         good + "seedz: [1]\n": "unknown key 'seedz'",
         "- arms\n": "is a mapping",
     }
+    from launchers import sweep
+
     for i, (text, want) in enumerate(cases.items()):
         spec = tmp_path / f"bad{i}.yaml"
         spec.write_text(text)
-        out = sweep_dry_run(spec)
-        assert out.returncode == 2 and out.stderr.count("\n") == 1 and want in out.stderr, (text, out.stderr)
-        assert "Traceback" not in out.stderr
+        with pytest.raises(ConfigError) as err:
+            sweep.grid_of_spec(sweep.load_spec(spec))
+        assert want in str(err.value) and "\n" not in str(err.value), (text, str(err.value))
+    for i in (0, 1):  # through the CLI: one line on stderr, exit 2, no traceback
+        out = sweep_dry_run(tmp_path / f"bad{i}.yaml")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert list(cases.values())[i] in out.stderr, out.stderr
 
 
 def test_a_signal_after_the_final_checkpoint_does_not_requeue(slurm_cluster, tmp_path):
