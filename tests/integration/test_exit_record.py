@@ -19,8 +19,6 @@ def test_a_stop_signal_at_the_final_step_finishes_instead_of_asking_for_a_requeu
     ov = [
         *tiny_data.overrides,
         f"run.output_dir={tmp_path / 'runs'}",
-        "model.num_layers=4",
-        "schedule.heads=2x2,4x2",
         "train.batch_tokens=512",
         "train.micro_batch_size=2",
         "train.train_tokens=512",  # one step: the signal can only land in the final one

@@ -217,14 +217,17 @@ TP2_NPROC = 2  # processes per node: TP=2 inside a node, DP across nodes
 
 def _tp2_schedule() -> str:
     """A non-uniform schedule of the tiny preset's shape whose every head count TP=2 divides."""
-    return next(schedule.compact(h) for h in schedule.enumerate_valid(256, 8, 4, 2) if len(set(h)) > 1)
+    m = config.load(ROOT / "configs/tiny_prism.yaml").model
+    return next(
+        schedule.compact(h) for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, 2) if len(set(h)) > 1
+    )
 
 
 def _tp2_overrides(tiny_data, tmp_path: Path, server, experiment: str, steps: int, seed: int) -> list[str]:
     return _train_overrides(tiny_data, tmp_path, server, experiment, steps, seed) + [
         "parallel.tp=2",
         f"schedule.heads={_tp2_schedule()}",
-        "train.micro_batch_size=4",  # 1024 tokens = 8 sequences = DP 2 x 4
+        "train.micro_batch_size=2",  # BATCH_TOKENS = DP 2 x micro-batch 2 x seq_len 256
     ]
 
 
