@@ -392,6 +392,7 @@ def train(cfg: Config) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from pipeline.distributed import topology, topology_line, write_exit_record
     from pipeline.model import build_model
     from pipeline.model.gpt import check_spec
     from pipeline.tracking import make_tracker
@@ -428,7 +429,9 @@ def train(cfg: Config) -> dict[str, Any]:
     data_metrics = {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
     tracker.log_metrics(data_metrics, state.step + 1)
     stopper = StopSignal()
+    ranks = topology()  # a collective: every rank
     if master:
+        print(f"prism train: {topology_line(ranks)}", flush=True)
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
         print(
             f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
@@ -476,7 +479,7 @@ def train(cfg: Config) -> dict[str, Any]:
             tag = checkpoint.save(engine, cfg, state)
             if master:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
-        if stop:
+        if stop and step < total_steps:  # a signal at the final step: the run is done, nothing to resume
             if master:
                 print(
                     f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
@@ -486,11 +489,13 @@ def train(cfg: Config) -> dict[str, Any]:
             exit_code = EXIT_STOPPED
             break
 
+    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
+    if master:  # before restoring the signal handlers: a late stop signal must not kill us before it is written
+        write_exit_record(reason, state.step)
     stopper.restore()
     loader.close()
     status = {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code]
     tracker.finish(status)
-    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
     return {
         "steps": state.step,
         "total_steps": total_steps,
