@@ -61,6 +61,8 @@ class ModelConfig:
     # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
     # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
     spec: Literal["local", "transformer_engine"] = "local"
+    # megatron's fusion flags that run without TE (fused SwiGLU, bias-dropout-add): pipeline.model.fusions
+    fusions: Literal["none", "megatron"] = "none"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class TrainConfig:
     val_tokens: int = 1_048_576  # tokens of the val split used per evaluation (same for both arms)
     prefetch: int = 2
     peak_flops: float | None = None  # per device; None: look the device up in a table
+    compile: bool = False  # torch.compile the model (pipeline.model.fusions); off: it does not pay on CPU
 
 
 @dataclass(frozen=True)
