@@ -138,6 +138,9 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
     keep_last: int = 2
+    # Plan keys (PLAN_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after a NaN;
+    # any other change of the plan, model or data is refused on resume.
+    allow_changes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,22 @@ MODEL_OR_DATA_KEYS = (
 )
 # Inside data, these only say how preparation is executed: changing them never changes the tokens.
 EXECUTION_ONLY_DATA_KEYS = ("data.executor", "data.tasks", "data.workers", "data.slurm")
+# Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
+# a resume refuses a change unless checkpoint.allow_changes names the key.
+PLAN_KEYS = (
+    "train.train_tokens",
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_fraction",
+    "train.weight_decay",
+    "train.beta1",
+    "train.beta2",
+    "train.eps",
+    "train.grad_clip",
+    "train.precision",
+    "parallel.zero_stage",
+    "parallel.replicate_indivisible_layers",
+)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -470,6 +489,9 @@ def _check_combinations(cfg: Config) -> None:
         fail("schedule.heads", str(e))
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
+    for key in cfg.checkpoint.allow_changes:
+        if key not in PLAN_KEYS:
+            fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(PLAN_KEYS)}")
 
 
 def _check_plan(cfg: Config) -> None:
