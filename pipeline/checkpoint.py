@@ -272,6 +272,13 @@ def _check_plan(cfg: Config, tag_dir: Path) -> None:
     now = cfg.to_dict()
     fresh = "start fresh in another folder (run.output_dir=... or checkpoint.dir=...)"
     changed = changed_keys(saved, now)
+    if "parallel.tp" in changed:  # before any weights load: say why, not just that it changed
+        raise ConfigError(
+            f"{saved_path}: cannot resume at parallel.tp={cfg.parallel.tp}, the checkpoint was written at "
+            f"parallel.tp={_lookup(saved, 'parallel.tp')}: its weights and optimizer state are split per "
+            f"tensor-parallel rank and resharding them is not supported (a data-parallel change is); resume with "
+            f"parallel.tp={_lookup(saved, 'parallel.tp')} or {fresh}"
+        )
     if changed:
         key = changed[0]
         raise ConfigError(
