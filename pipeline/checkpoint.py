@@ -578,6 +578,13 @@ def read_weights(tag_dir: Path) -> tuple[dict[str, Any], CheckpointInfo]:
         )
     if shards != [MODEL_STATES]:
         raise ConfigError(f"{tag_dir}: {MODEL_STATES} is missing; the checkpoint is incomplete")
+    want = ((read_integrity(tag_dir) or {}).get("files") or {}).get(MODEL_STATES)
+    size = (Path(tag_dir) / MODEL_STATES).stat().st_size
+    if want is not None and want["size"] != size:
+        raise ConfigError(
+            f"{tag_dir}: {MODEL_STATES} has {size} bytes, its integrity record says {want['size']} (truncated); "
+            f"use another checkpoint of the run"
+        )
     state = torch.load(Path(tag_dir) / MODEL_STATES, map_location="cpu", weights_only=False)
     weights = state.pop("module")
     if next(iter(weights)).startswith("module."):  # saved from a wrapper
