@@ -434,9 +434,13 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     failure = None
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-        if dist.get_rank() == 0:
-            write_atomic(config_file(ckpt_dir / tag), cfg.dump())
     except (OSError, RuntimeError) as e:
+        failure = e
+        dist.barrier()  # DeepSpeed's closing barrier, which the other ranks wait in, was skipped here
+    try:
+        if failure is None and dist.get_rank() == 0:
+            write_atomic(config_file(ckpt_dir / tag), cfg.dump())
+    except OSError as e:
         failure = e
     _agree_on_failure(failure, ckpt_dir, tag, previous)
     try:
