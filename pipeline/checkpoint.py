@@ -425,7 +425,13 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     client_state = {
         "tokens_seen": own["tokens_seen"],
         "run_id": own["run_id"],
-        "prism": {"step": own["step"], "ranks": ranks, "config_hash": cfg.hash(), "dp_size": dp_size},
+        "prism": {
+            "step": own["step"],
+            "ranks": ranks,
+            "config_hash": cfg.hash(),
+            "spec": cfg.model.spec,
+            "dp_size": dp_size,
+        },
     }
     previous = _last_good(ckpt_dir)
     if dist.get_rank() == 0 and (ckpt_dir / tag).exists():
@@ -470,7 +476,8 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([0.0 if failure is None else 1.0])
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    flag = torch.tensor([0.0 if failure is None else 1.0], device=on)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not flag.item():
         return
@@ -540,6 +547,7 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
         raise ConfigError(
             f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
         )
+    check_spec_matches(client, cfg, tag)
     if elastic:
         compat.load_zero_partitions_at_new_dp(engine, str(cfg.checkpoint_dir), tag)
     ranks = client["prism"]["ranks"]
@@ -558,6 +566,17 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
             f"prism train: elastic resume: {tag} was saved at data-parallel size {saved_dp}, continuing at {dp} "
             f"(same global batch; optimizer partitions re-split, data position mapped)",
             flush=True,
+        )
+
+
+def check_spec_matches(client: dict[str, Any], cfg: Config, tag: str) -> None:
+    """The layer spec is part of the weights' layout (TE fuses norms, adds _extra_state): refuse another one.
+    Checkpoints from before model.spec existed were built with the local spec."""
+    saved = client["prism"].get("spec", "local")
+    if saved != cfg.model.spec:
+        raise ConfigError(
+            f"{cfg.checkpoint_dir / tag}: built with model.spec={saved}, this run asks for model.spec="
+            f"{cfg.model.spec}; their weights do not load into each other, use model.spec={saved} to resume"
         )
 
 

@@ -55,6 +55,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
+    # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
+    spec: Literal["local", "transformer_engine"] = "local"
 
 
 @dataclass(frozen=True)
@@ -396,7 +399,22 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """A YAML preset (its `base:` chain merged under it), then the dotted overrides, validated."""
-    return from_dict(apply_overrides(read_yaml(path), overrides or []), str(path))
+    return from_dict(expand_output_dir(apply_overrides(read_yaml(path), overrides or [])), str(path))
+
+
+# Path keys that may start with {output_dir}: they follow run.output_dir (`prism demo run.output_dir=/tmp/x`
+# puts the data there too), expanded once on load, after the overrides.
+OUTPUT_DIR_KEYS = (("data", "dataset_dir"), ("data", "input"), ("data", "tokenizer"), ("checkpoint", "dir"))
+
+
+def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
+    out_dir = str((data.get("run") or {}).get("output_dir") or RunConfig.output_dir)
+    data = copy.deepcopy(data)
+    for section, key in OUTPUT_DIR_KEYS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and "{output_dir}" in value:
+            data[section][key] = value.replace("{output_dir}", out_dir)
+    return data
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -459,6 +477,9 @@ def _check_combinations(cfg: Config) -> None:
         fail("parallel.zero_stage", f"{p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
     if p.zero_stage == 3 and p.tp > 1:
         fail("parallel.zero_stage", "ZeRO stage 3 is only supported with parallel.tp=1; use 1 or 2")
+    if p.zero_stage == 0 and t.precision == "bf16":
+        # DeepSpeed sums micro-batch gradients in fp32 under bf16 only with ZeRO (grad_accum_dtype)
+        fail("parallel.zero_stage", "0 with train.precision=bf16 would sum gradients in bf16; use 1, 2 or 3")
     if not 0 <= t.warmup_fraction < 1:
         fail("train.warmup_fraction", f"{t.warmup_fraction} must be in [0, 1)")
     if t.min_lr > t.lr:

@@ -25,20 +25,17 @@ from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
-from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_distributed, init_model_parallel, train_device
+from pipeline.distributed import (
+    StopSignal,
+    deepspeed_device_args,
+    dp_mean,
+    dp_sum,
+    init_distributed,
+    init_model_parallel,
+    train_device,
+)
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
-
-# Dense bf16 tensor-core peak per device (FLOP/s), matched by substring of torch.cuda.get_device_name().
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-}
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -51,11 +48,12 @@ def lr_at(step: int, total: int, warmup: int, lr: float, min_lr: float) -> float
 
 
 def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """nanoGPT's split: matrices decay; norms, biases and embeddings don't."""
+    """nanoGPT's split (the codebase the paper extends): every parameter with >= 2 dims decays, the (tied)
+    token embedding included; only 1-dim ones (biases, norm weights) don't."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "embedding" in name else decay).append(p)
+            (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -80,6 +78,9 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, An
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
+        # bf16 like the paper's codebase: fp32 master weights and micro-batch gradients summed in fp32, so the
+        # result does not depend on how many micro-batches (GPUs) make up a step
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if t.precision == "bf16" else {}),
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -92,21 +93,34 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
     deepspeed = compat.import_deepspeed()
     optimizer = make_optimizer(cfg, model)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, mpu=compat.MegatronMpu(), config=deepspeed_config(cfg, grad_accum, dp_size)
+        args=deepspeed_device_args(),  # this worker's GPU, not LOCAL_RANK (one GPU per Slurm task)
+        model=model,
+        optimizer=optimizer,
+        mpu=compat.MegatronMpu(),
+        config=deepspeed_config(cfg, grad_accum, dp_size),
     )
     return engine, optimizer
 
 
 # --- measurements -------------------------------------------------------------------------------------
 def peak_flops(cfg: Config, device: str) -> float | None:
-    if cfg.train.peak_flops:
-        return cfg.train.peak_flops
-    if device == "cuda":
-        import torch
+    """Per-device peak for MFU: train.peak_flops, else an exact device-name match (pipeline.hardware)."""
+    from pipeline.hardware import device_peak_flops
 
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None
+    return device_peak_flops(cfg.train.peak_flops, device)
+
+
+def mfu_causal_attention(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> float | None:
+    """MFU with attention's matmuls halved for the causal mask (Megatron's / llm.c's convention); `mfu`
+    counts them in full (pipeline.hardware explains both)."""
+    from pipeline.hardware import causal_attention_discount
+    from pipeline.model import flops_per_token
+
+    if not peak:
+        return None
+    m = cfg.model
+    flops = causal_attention_discount(flops_per_token(cfg), cfg.heads_per_layer, m.d_model, m.seq_len)
+    return flops * tokens_per_sec / (peak * gpus)
 
 
 def memory_gb(device: str) -> float:
@@ -186,8 +200,12 @@ def log_step(
     result: StepResult,
     val_loss: float | None,
     device: str,
+    progress: tuple[int, float, float] | None = None,
 ) -> None:
-    """Metrics to the tracker and, on rank 0, one console line."""
+    """Metrics to the tracker and, on rank 0, one console line.
+
+    ``progress`` = (steps since the last line, their wall seconds, seconds since this process started
+    training): the line's tok/s averages those steps (validation included) and ETA extrapolates them."""
     import torch.distributed as dist
 
     from pipeline.model import flops_per_token
@@ -195,6 +213,7 @@ def log_step(
     tok_s = cfg.train.batch_tokens / result.seconds
     peak = peak_flops(cfg, device)
     mfu = flops_per_token(cfg) * tok_s / (peak * dist.get_world_size()) if peak else None
+    mfu_causal = mfu_causal_attention(cfg, tok_s, peak, dist.get_world_size())
     metrics = {
         "train/loss": result.loss,
         "lr": result.lr,
@@ -208,12 +227,22 @@ def log_step(
         metrics["val/loss"] = val_loss
     if mfu is not None:
         metrics["mfu"] = mfu
+        metrics["mfu_causal"] = mfu_causal
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
+        timing = ""
+        if progress is not None and progress[0] > 0 and progress[1] > 0:
+            from pipeline.console import duration
+
+            steps, seconds, elapsed = progress
+            tok_s = steps * cfg.train.batch_tokens / seconds
+            eta = (total_steps - state.step) * seconds / steps
+            timing = f" | {duration(elapsed)} elapsed, ETA {duration(eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
             + (f" | val {val_loss:.4f}" if val_loss is not None else "")
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
+            + timing
             + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + f" | mem {metrics['memory_gb']:.2f} GB",
             flush=True,
@@ -254,10 +283,12 @@ def train(cfg: Config) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from pipeline.model import build_model
+    from pipeline.model.gpt import check_spec
     from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
-    init_distributed()  # the resume checks share the checkpoint hashing out over the ranks
+    check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
+    init_distributed(cfg.train.device)  # the resume checks share the checkpoint hashing out over the ranks
     resume = checkpoint.resume_point(cfg)
     if resume.finished:
         return checkpoint.finished_summary(cfg, resume)
@@ -266,7 +297,7 @@ def train(cfg: Config) -> dict[str, Any]:
     data.check_compatible(manifest, cfg)
     device = train_device(cfg)
 
-    init_model_parallel(cfg.parallel.tp, cfg.run.seed)
+    init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     plan = cfg.steps(dp_size)
@@ -298,6 +329,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
     exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
     recent: deque[float] = deque(maxlen=20)
+    started = last_line = time.perf_counter()  # console progress: wall time of the steps since the last line
+    last_line_step = state.step
     while state.step < total_steps:
         lr = lr_at(state.step, total_steps, warmup, t.lr, t.min_lr)
         result = train_step(engine, optimizer, loader, lr, grad_accum, device)
@@ -315,7 +348,10 @@ def train(cfg: Config) -> dict[str, Any]:
         if step % t.val_every == 0 or step == total_steps:
             val_loss = last_val = evaluate(engine, val_rows, micro, device)
         if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
-            log_step(cfg, tracker, state, total_steps, result, val_loss, device)
+            now = time.perf_counter()
+            progress = (state.step - last_line_step, now - last_line, now - started)
+            log_step(cfg, tracker, state, total_steps, result, val_loss, device, progress)
+            last_line, last_line_step = now, state.step
 
         stop = stopper.agreed(device)
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:

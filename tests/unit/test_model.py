@@ -54,7 +54,7 @@ def reference_attention(x: torch.Tensor, attn, heads: int, rope_base: float, rop
     return merged @ attn.linear_proj.weight.T, probs
 
 
-@pytest.mark.parametrize("layer_index", [0, 2, 4])  # 1 head (d_h 256), 2 heads (128), baseline 4 (64)
+@pytest.mark.parametrize("layer_index", [0, 2, 4])  # 3 heads (d_h 64), 6 heads (32), baseline 12 (16)
 def test_attention_matches_plain_pytorch(tiny_model, layer_index):
     cfg, model = tiny_model
     attn = model.decoder.layers[layer_index].self_attention
@@ -219,7 +219,7 @@ def test_schedule_breaking_tp_rule_is_refused_before_weights():
 def test_tp_size_must_match_the_initialised_groups(tiny_model):
     from pipeline.model import build_model
 
-    cfg = load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")  # valid at TP=2, but the world is TP=1
+    cfg = load(TINY, "schedule.heads=6x2,12x6", "parallel.tp=2")  # valid at TP=2, but the world is TP=1
     with pytest.raises(ConfigError, match=re.escape("init_model_parallel(2")):
         build_model(cfg)
 
@@ -236,11 +236,11 @@ def test_replication_is_opt_in_and_its_extra_flops_are_counted(tiny_model, caplo
     from pipeline.model.gpt import replicated_layers, replication_overhead, transformer_config
 
     cfg = load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true")
-    assert replicated_layers(cfg) == [1, 2]  # the two 1-head layers
+    assert replicated_layers(cfg) == [1, 2]  # the two 3-head layers
     m = cfg.model
     per_layer = 3 * (2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len)  # projections + attention, fwd+bwd
     assert replication_overhead(cfg) == 2 * per_layer // 2  # each rank does the other rank's half too
-    assert replication_overhead(load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")) == 0
+    assert replication_overhead(load(TINY, "schedule.heads=6x2,12x6", "parallel.tp=2")) == 0
     with pytest.raises(ConfigError, match="model.dropout"):  # replicas would draw different dropout masks
         load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1")
     # the replicated layers' per-layer megatron config asks for no TP split; the others keep TP=2
