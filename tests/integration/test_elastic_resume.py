@@ -103,10 +103,10 @@ def test_dp2_checkpoint_resumes_at_another_dp_size(dp2, tiny_data, tmp_path, new
 def test_a_tensor_parallel_change_is_refused_before_any_weights_load(dp2, tiny_data, tmp_path):
     src, _ = dp2
     shutil.copytree(src, tmp_path / "run")
-    ov = overrides(tiny_data, tmp_path / "run", "parallel.tp=2")
+    ov = overrides(tiny_data, tmp_path / "run", "parallel.tp=3")  # 3 divides every layer of the tiny schedule
     out = subprocess.run(command(ov, 1), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("prism train: error:")]
-    assert len(lines) == 1 and "cannot resume at parallel.tp=2" in lines[0], out.stderr[-3000:]
+    assert len(lines) == 1 and "cannot resume at parallel.tp=3" in lines[0], out.stderr[-3000:]
     assert "resharding them is not supported" in lines[0] and "resume with parallel.tp=1" in lines[0]
-    assert "prism train: prism-tiny" not in out.stdout  # refused before the engine (and its banner) exists
+    assert "| world 1 = TP" not in out.stdout  # refused before the engine (and its banner) exists
