@@ -141,7 +141,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             f"--nnodes={dist.world_size}",
             f"--node-rank={dist.rank}",
             f"--nproc-per-node={nproc}",
-            f"--master-addr={dist.master_addr}",
+            f"--master-addr={node_address(dist.master_addr)}",
             f"--master-port={dist.master_port}",
             "-m",
             "pipeline.cli",
@@ -184,6 +184,20 @@ class TrainJob(submitit.helpers.Checkpointable):
         return super().checkpoint(*args, **kwargs)
 
 
+def node_address(node: str) -> str:
+    """The address Slurm reaches ``node`` at (its NodeAddr); the name itself where Slurm says nothing.
+
+    On most clusters they are the same; on the local multi-node cluster every node is 127.0.0.1."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return node
+    for field in out.stdout.split():
+        if field.startswith("NodeAddr="):
+            return field.split("=", 1)[1] or node
+    return node
+
+
 def _gpus_on_node() -> int:
     value = os.environ.get("SLURM_GPUS_ON_NODE", "0")
     return int(value) if value.isdigit() else 0
@@ -206,17 +220,22 @@ class Sweep:
                 ]
                 raise TimeoutError(f"sweep {self.folder}: not finished after {timeout_s} s: {', '.join(left)}")
             time.sleep(poll_s)
-        return [j.result() for j in self.jobs]
+        return [first_result(j) for j in self.jobs]
 
     def failures(self) -> list[str]:
         """Block until every job ends; one line per failed job (a failed job must not hide the others')."""
         failed = []
         for p, job in zip(self.points, self.jobs):
             try:
-                job.result()
+                first_result(job)
             except Exception as e:
                 failed.append(f"{p.label}: job {job.job_id} failed: {str(e).splitlines()[-1] if str(e) else e}")
         return failed
+
+
+def first_result(job: Any) -> Any:
+    """A job's result; a multi-node job has one task per node, all returning the same: take node 0's."""
+    return job.results()[0]
 
 
 def make_executor(
@@ -251,6 +270,10 @@ def make_executor(
         params["slurm_partition"] = partition
     if additional_parameters:
         params["slurm_additional_parameters"] = dict(additional_parameters)
+    if executor == "slurm":
+        # srun no longer inherits sbatch's --cpus-per-task (Slurm >= 22.05): the step (torchrun, its workers
+        # and their data loaders) would get one CPU per task.
+        params["slurm_srun_args"] = [f"--cpus-per-task={cpus_per_task}"]
     ex.update_parameters(**params)
     return ex
 
@@ -307,32 +330,97 @@ def submit(
     return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
 
 
+SPEC_KEYS = (
+    "name",
+    "arms",
+    "scales",
+    "seeds",
+    "schedules",
+    "overrides",
+    "executor",
+    "folder",
+    "nproc_per_node",
+    "slurm",
+)
+SLURM_INT_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "timeout_min", "signal_delay_s", "array_parallelism")
+SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")
+
+
 def load_spec(path: str | Path) -> dict[str, Any]:
-    """A sweep YAML: arms, scales, seeds, schedules (list | all-valid | null), overrides, executor, slurm:{...}."""
+    """A sweep YAML: arms, scales, seeds, schedules (list | all-valid | null), overrides, executor, slurm:{...}.
+
+    Every field is checked here, so a bad spec is one line naming the key (exit 2), never a traceback."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: sweep spec not found")
-    spec = yaml.safe_load(path.read_text()) or {}
-    allowed = {
-        "name",
-        "arms",
-        "scales",
-        "seeds",
-        "schedules",
-        "overrides",
-        "executor",
-        "folder",
-        "nproc_per_node",
-        "slurm",
-    }
-    if not isinstance(spec, dict) or set(spec) - allowed:
-        bad = sorted(set(spec) - allowed) if isinstance(spec, dict) else ["<top level>"]
-        raise ConfigError(f"{path}: unknown key {bad[0]!r}; allowed: {', '.join(sorted(allowed))}")
-    for key in ("arms", "scales", "seeds"):
-        if not isinstance(spec.get(key), list) or not spec[key]:
-            raise ConfigError(f"{path}: {key} must be a non-empty list")
+    try:
+        spec = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"{path}: not valid YAML{at}: {what}; fix the syntax there") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the sweep spec: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: a sweep spec is a mapping of {', '.join(SPEC_KEYS)}; got {type(spec).__name__}")
+    unknown = sorted(str(k) for k in spec if k not in SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+
+    def bad(key: str, want: str) -> ConfigError:
+        return ConfigError(f"{path}: {key}={spec_value(key)!r}: {want}")
+
+    def spec_value(key: str) -> Any:
+        head, _, tail = key.partition(".")
+        return spec[head][tail] if tail else spec[head]
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in ("arms", "scales"):
+        v = spec.get(key)
+        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+            raise ConfigError(f"{path}: {key} must be a non-empty list of names, got {v!r}")
+    seeds = spec.get("seeds")
+    if not isinstance(seeds, list) or not seeds:
+        raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    for seed in seeds:
+        if not is_int(seed) or seed < 0:
+            raise ConfigError(f"{path}: seeds: {seed!r} is not a non-negative integer; write seeds like [1, 2, 3]")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{path}: seeds {seeds} repeat a seed; each grid point needs its own")
+    schedules = spec.get("schedules")
+    if not (schedules is None or schedules == ALL_VALID or isinstance(schedules, list)):
+        raise bad("schedules", f"use a list of schedules, {ALL_VALID!r} or null")
+    if isinstance(schedules, list) and not all(isinstance(x, str) for x in schedules):
+        raise bad("schedules", 'write each schedule as a quoted string, e.g. "2x2,4x4"')
+    overrides = spec.get("overrides")
+    if not (overrides is None or isinstance(overrides, dict | list)):
+        raise bad("overrides", "use a mapping {dotted.key: value} or a list of 'dotted.key=value' strings")
+    if spec.get("executor", "slurm") not in ("slurm", "local"):
+        raise bad("executor", "use slurm or local")
+    for key in ("name", "folder"):
+        if key in spec and not (isinstance(spec[key], str) and spec[key]):
+            raise bad(key, "must be a non-empty string")
+    if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
+        raise bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
+    slurm = spec.get("slurm")
+    if slurm is not None:
+        if not isinstance(slurm, dict):
+            raise bad("slurm", f"must be a mapping of {', '.join(SLURM_KEYS)}")
+        unknown = sorted(str(k) for k in slurm if k not in SLURM_KEYS)
+        if unknown:
+            raise ConfigError(f"{path}: unknown key slurm.{unknown[0]}; allowed: {', '.join(SLURM_KEYS)}")
+        for key in SLURM_INT_KEYS:
+            if key in slurm and not (is_int(slurm[key]) and slurm[key] >= (0 if key == "gpus_per_node" else 1)):
+                raise bad(f"slurm.{key}", "must be a positive integer")
+        if "partition" in slurm and not isinstance(slurm["partition"], str):
+            raise bad("slurm.partition", "must be a partition name")
+        if "additional_parameters" in slurm and not isinstance(slurm["additional_parameters"], dict):
+            raise bad("slurm.additional_parameters", "must be a mapping of sbatch options")
     spec.setdefault("name", path.stem)
     return spec
 

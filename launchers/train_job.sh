@@ -10,7 +10,13 @@
 #   PRISM_VENV            virtualenv to activate                     (default: $PRISM_ROOT/.venv if present)
 #   PRISM_MODULES         environment modules to `module load` first, space separated (e.g. "cuda/12.4")
 #   PRISM_NPROC_PER_NODE  training processes per node (default: GPUs on the node, 1 without GPUs -> CPU/gloo)
-#   PRISM_RDZV_PORT       c10d rendezvous port on the first node      (default 29500)
+#   PRISM_RDZV_PORT       c10d rendezvous port on the first node (default: $MASTER_PORT if exported, else
+#                         20000 + job id mod 10000, so two jobs sharing a node do not collide)
+#   PRISM_CPUS_PER_TASK   CPUs of the one task per node (torchrun, its workers and their data loaders); passed
+#                         to srun, which no longer inherits --cpus-per-task (Slurm >= 22.05)
+#                         (default: sbatch's --cpus-per-task, else every CPU the job has on the node)
+#   PRISM_JOB_STATE_DIR   where the trainer leaves its exit record for this script; must be seen by every
+#                         node (default $PRISM_ROOT/runs/.slurm-jobs)
 #   PRISM_SHUTDOWN_GRACE  seconds the workers get to checkpoint after the stop signal (default 150; keep it
 #                         below the --signal lead time)
 #   PRISM_REQUEUE         1 = requeue after a signal-triggered checkpoint, 0 = just stop (default 1)
@@ -20,8 +26,11 @@
 #
 # Exit/requeue contract: `prism train` exits 0 when the token budget is done (no requeue), 3 after a
 # checkpoint forced by SIGTERM/SIGUSR1/SIGUSR2 (requeue), 4 on NaN/inf (no requeue), 2 on bad input.
-# torchrun turns any worker failure into its own exit 1, so after a signal we requeue on any non-zero
-# status; without a signal only 3 requeues.
+# torchrun's own status says little (a signal sent to the step, `scancel --signal=USR1 JOB`, kills it with
+# 138 after the workers checkpointed), so rank 0 also writes an exit record (PRISM_EXIT_FILE: "signal STEP",
+# "finished STEP" or "nonfinite STEP") and that decides: signal -> requeue, finished -> done (also when a
+# late signal killed torchrun after the final checkpoint), no record -> failed unless a signal reached this
+# shell before the trainer could checkpoint (then requeue: it resumes from the last checkpoint).
 set -uo pipefail
 
 : "${PRISM_CONFIG:?set PRISM_CONFIG to a preset YAML (the launchers/*.sbatch files do)}"
@@ -39,14 +48,19 @@ PRISM_VENV=${PRISM_VENV:-$PRISM_ROOT/.venv}
 [ -f "$PRISM_VENV/bin/activate" ] && source "$PRISM_VENV/bin/activate"
 
 # --- distributed layout: one srun task per node, torchrun starts the per-GPU workers ------------------
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${PRISM_RDZV_PORT:-29500}
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The first node's address as Slurm knows it (NodeAddr; the node name itself where it resolves, as usual).
+MASTER_ADDR=$(scontrol show node "$first_node" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+MASTER_ADDR=${MASTER_ADDR:-$first_node}
+MASTER_PORT=${PRISM_RDZV_PORT:-${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}}
 NNODES=${SLURM_JOB_NUM_NODES:-1}
 gpus=${SLURM_GPUS_ON_NODE:-0}
 [[ "$gpus" =~ ^[0-9]+$ ]] || gpus=0
 if [ "$gpus" -gt 0 ]; then nproc_default=$gpus; else nproc_default=1; fi
 NPROC_PER_NODE=${PRISM_NPROC_PER_NODE:-$nproc_default}
+CPUS_PER_TASK=${PRISM_CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}}
 export MASTER_ADDR MASTER_PORT
+export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK  # Slurm >= 22.05: srun no longer inherits --cpus-per-task
 
 # NCCL defaults (users override by exporting before sbatch; sbatch passes the environment through).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
@@ -60,8 +74,21 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${PRISM_SHUTDOWN_GRACE:-150}
 export PYTHONUNBUFFERED=1
 
 read -r -a overrides <<<"${PRISM_OVERRIDES:-}"
-echo "train_job: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE proc(s)," \
-  "master $MASTER_ADDR:$MASTER_PORT, config $PRISM_CONFIG ${overrides[*]}"
+echo "train_job: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE proc(s)" \
+  "($SLURM_JOB_NODELIST), $CPUS_PER_TASK CPUs per node task, master $MASTER_ADDR:$MASTER_PORT," \
+  "config $PRISM_CONFIG ${overrides[*]}"
+# Refuse a layout the config cannot use in one line, before srun starts anything on the nodes.
+if ! layout=$(python -m launchers.layout "$NNODES" "$NPROC_PER_NODE" "$PRISM_CONFIG" "${overrides[@]}"); then
+  echo "train_job: refusing the layout; not requeueing" >&2
+  exit 2
+fi
+echo "train_job: $layout"
+
+# Where rank 0 says how training ended (one file per job and restart; see the contract above).
+state_dir=${PRISM_JOB_STATE_DIR:-$PRISM_ROOT/runs/.slurm-jobs}
+mkdir -p "$state_dir"
+export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.exit"
+rm -f "$PRISM_EXIT_FILE"
 
 # --- the pre-timeout signal path ------------------------------------------------------------------------
 # `#SBATCH --signal=B:USR1@LEAD` signals only this shell. bash runs traps only between commands, so the
@@ -78,7 +105,7 @@ forward_stop() {
 }
 trap forward_stop USR1 USR2 TERM
 
-srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
   torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
   -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
@@ -89,14 +116,36 @@ while :; do
   kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
 done
 
-if [ "$rc" -eq 0 ]; then
+exit_record=$(cat "$PRISM_EXIT_FILE" 2>/dev/null)
+rm -f "$PRISM_EXIT_FILE"
+case "$exit_record" in
+  finished*)
+    if [ "$rc" -ne 0 ]; then
+      echo "train_job: a stop signal arrived after the final checkpoint (step exit $rc); nothing to resume"
+    fi
+    echo "train_job: training finished (token budget done)"
+    exit 0
+    ;;
+  signal*)
+    if [ "${PRISM_REQUEUE:-1}" = 1 ]; then
+      echo "train_job: checkpointed at step ${exit_record#signal } after a stop signal (step exit $rc);" \
+        "requeueing job $SLURM_JOB_ID to resume from latest"
+      scontrol requeue "$SLURM_JOB_ID"
+      exit 3
+    fi
+    echo "train_job: checkpointed after a stop signal (step exit $rc); PRISM_REQUEUE=0, not requeueing"
+    exit 3
+    ;;
+esac
+if [ "$rc" -eq 0 ]; then  # a trainer without the exit record (older checkout)
   echo "train_job: training finished (token budget done)"
   exit 0
 fi
-if [ "${PRISM_REQUEUE:-1}" = 1 ] && { [ "$rc" -eq 3 ] || { [ "$signaled" = 1 ] && [ "$rc" -ne 4 ] && [ "$rc" -ne 2 ]; }; }; then
-  echo "train_job: checkpointed after a stop signal (exit $rc); requeueing job $SLURM_JOB_ID to resume from latest"
+if [ "${PRISM_REQUEUE:-1}" = 1 ] && [ "$signaled" = 1 ] && [ "$rc" -ne 4 ] && [ "$rc" -ne 2 ]; then
+  echo "train_job: stopped by a signal before the trainer could checkpoint (exit $rc); requeueing job" \
+    "$SLURM_JOB_ID to resume from the last checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
   exit 3
 fi
-echo "train_job: training failed (exit $rc); not requeueing" >&2
+echo "train_job: training failed (exit $rc${exit_record:+, trainer: $exit_record}); not requeueing" >&2
 exit "$rc"

@@ -13,6 +13,8 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,7 +56,8 @@ class ModelConfig:
     bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
-    attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # sdpa: torch picks the kernel; flash | cudnn | efficient | math pin one (pipeline.model.sdpa_backend)
+    attention_backend: Literal["sdpa", "megatron", "flash", "cudnn", "efficient", "math"] = "sdpa"
     # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
     # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
     spec: Literal["local", "transformer_engine"] = "local"
@@ -125,6 +128,11 @@ class DataConfig:
     tasks: int = 1
     workers: int = -1
     slurm: SlurmExecutorConfig = field(default_factory=SlurmExecutorConfig)
+    # A train.train_tokens beyond one epoch of the prepared train split is refused unless this says repeat.
+    allow_repeat: bool = False
+    # Hash every shard before step 1: true, false, or "auto" = when the dataset's shards total <= 1 GiB
+    # (seconds to hash); larger datasets are hashed shard by shard as the loader first reads them.
+    verify_on_start: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ class Config:
     layer_plan: tuple[schedule.LayerPlan, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check_ranges(self)  # every number and name in range first: later rules divide by them
         try:
             heads = schedule.resolve(self.schedule.heads)
         except schedule.ScheduleError as e:
@@ -202,8 +211,13 @@ class Config:
         return _plain(self)
 
     def dump(self) -> str:
-        """YAML of the full resolved config (defaults included): what MLflow stores verbatim."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """YAML of the full resolved config (defaults included): what MLflow stores verbatim, with any
+        password in tracking.uri masked (it is written to checkpoints and artifacts)."""
+        from pipeline.redaction import redact_uri
+
+        data = self.to_dict()
+        data["tracking"]["uri"] = redact_uri(data["tracking"]["uri"])
+        return yaml.safe_dump(data, sort_keys=False)
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
@@ -237,7 +251,14 @@ MODEL_OR_DATA_KEYS = (
     "data",
 )
 # Inside data, these only say how preparation is executed: changing them never changes the tokens.
-EXECUTION_ONLY_DATA_KEYS = ("data.executor", "data.tasks", "data.workers", "data.slurm")
+EXECUTION_ONLY_DATA_KEYS = (
+    "data.executor",
+    "data.tasks",
+    "data.workers",
+    "data.slurm",
+    "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
+    "data.verify_on_start",
+)
 # Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
 # a resume refuses a change unless checkpoint.allow_changes names the key.
 PLAN_KEYS = (
@@ -450,6 +471,116 @@ def _deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]
         else:
             out[key] = value
     return out
+
+
+# --- every number's range, in one table (checked first, before any rule that combines keys) -----------
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric key: [low, high] (an end left out: unbounded; *_open: excluded),
+    plus sentinel values such as -1 = all."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[int, ...] = ()
+
+    def allows(self, v: float) -> bool:
+        if v in self.also:
+            return True
+        if not math.isfinite(v):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+    def describe(self) -> str:
+        lo, hi = (None if x is None else f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in (self.low, self.high))
+        if lo is not None and hi is not None:
+            text = f"in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        elif lo is not None:
+            text = f"{'>' if self.low_open else '>='} {lo}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {hi}"
+        return text + "".join(f" (or {a})" for a in self.also)
+
+
+AT_LEAST_1, POSITIVE, NON_NEGATIVE = Range(1), Range(0, low_open=True), Range(0)
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+RANGES: dict[str, Range] = {
+    "run.seed": Range(0, 2**31 - 1),  # numpy, torch and Megatron's per-rank offsets all take it
+    "model.num_layers": AT_LEAST_1,
+    "model.d_model": AT_LEAST_1,
+    "model.h_base": AT_LEAST_1,
+    "model.ffn_hidden_size": AT_LEAST_1,
+    "model.seq_len": AT_LEAST_1,
+    "model.vocab_size": Range(2),  # at least one token besides EOS
+    "model.norm_eps": POSITIVE,
+    "model.rope_base": Range(1, low_open=True),  # base <= 1 gives no rotation spectrum
+    "model.dropout": FRACTION,
+    "model.init_std": POSITIVE,
+    "parallel.tp": AT_LEAST_1,
+    "parallel.zero_stage": Range(0, 3),
+    "train.batch_tokens": AT_LEAST_1,
+    "train.micro_batch_size": AT_LEAST_1,
+    "train.lr": POSITIVE,  # lr=0 would train nothing, silently
+    "train.train_tokens": AT_LEAST_1,
+    "train.min_lr": NON_NEGATIVE,
+    "train.warmup_fraction": FRACTION,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.beta1": FRACTION,
+    "train.beta2": FRACTION,
+    "train.eps": POSITIVE,
+    "train.grad_clip": NON_NEGATIVE,  # 0 = no clipping (DeepSpeed's convention)
+    "train.log_every": AT_LEAST_1,
+    "train.val_every": AT_LEAST_1,
+    "train.val_tokens": AT_LEAST_1,
+    "train.prefetch": AT_LEAST_1,
+    "train.peak_flops": POSITIVE,  # FLOP/s per device, when set
+    "data.limit": Range(1, also=(-1,)),
+    "data.val_fraction": FRACTION,
+    "data.sequences_per_sample": AT_LEAST_1,
+    "data.samples_per_shard": AT_LEAST_1,
+    "data.val_samples_per_shard": AT_LEAST_1,
+    "data.tasks": AT_LEAST_1,
+    "data.workers": Range(1, also=(-1,)),
+    "data.slurm.cpus_per_task": AT_LEAST_1,
+    "data.slurm.mem_per_cpu_gb": POSITIVE,
+    "tracking.milestones[]": POSITIVE,  # val-loss thresholds
+    "checkpoint.every_steps": AT_LEAST_1,
+    "checkpoint.keep_last": AT_LEAST_1,  # 0 would delete the checkpoint just written
+}
+# Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
+# (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".
+NON_EMPTY_KEYS = ("run.output_dir", "data.dataset_dir", "data.input", "data.tokenizer", "data.eos_token")
+NAME_KEYS = ("run.scale", "tracking.experiment")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _value(cfg: Config, key: str) -> Any:
+    value: Any = cfg
+    for part in key.removesuffix("[]").split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Every key of RANGES, NON_EMPTY_KEYS and NAME_KEYS; one line naming the first key out of range."""
+    for key, allowed in RANGES.items():
+        value = _value(cfg, key)
+        for v in value if key.endswith("[]") else (value,):
+            if v is not None and not allowed.allows(v):
+                raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
+    for key in NON_EMPTY_KEYS:
+        if not _value(cfg, key).strip():
+            raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
+    for key in NAME_KEYS:
+        value = _value(cfg, key)
+        if value is not None and (not NAME.fullmatch(value) or ".." in value):
+            raise ConfigError(
+                f"{cfg.source}: {key}: {value!r} is not a plain name (letters, digits, . _ + -, no '..' or '/'); "
+                "it names a folder or experiment inside run.output_dir"
+            )
 
 
 def _check_combinations(cfg: Config) -> None:

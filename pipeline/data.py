@@ -81,7 +81,9 @@ class ShardLoader:
         split: str = "train",
         prefetch: int | None = None,
         manifest: dict[str, Any] | None = None,
+        pin_memory: bool = False,
     ):
+        self.pin_memory = pin_memory  # CUDA: batches in page-locked memory, so host->device copies are async
         self.dataset_dir = Path(cfg.data.dataset_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.dataset_dir)
         check_compatible(self.manifest, cfg)
@@ -227,6 +229,8 @@ class ShardLoader:
                     p.row_cursor += take
                     if have == self.batch_size:
                         batch = np.concatenate(pending).astype(np.int64)
+                        if self.pin_memory:
+                            batch = pinned(batch)
                         pending, have = [], 0
                         after = Position(**asdict(p))
                         if after.row_cursor == len(order):  # at a shard's end, point at the next one
@@ -331,6 +335,13 @@ def _deal(rows: np.ndarray, size: int, rows_per_step: int) -> list[np.ndarray]:
     tail = rows[full * rows_per_step :]
     each = len(tail) // size
     return [np.concatenate([head[:, r, :].reshape(-1), tail[r * each : (r + 1) * each]]) for r in range(size)]
+
+
+def pinned(batch: np.ndarray) -> np.ndarray:
+    """The batch copied into page-locked memory; the array is a view that keeps the pinned tensor alive."""
+    import torch
+
+    return torch.from_numpy(batch).pin_memory().numpy()
 
 
 def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.ndarray:

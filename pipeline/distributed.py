@@ -16,7 +16,8 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# SIGINT (Ctrl-C) too: a checkpoint and exit 3 rather than a KeyboardInterrupt traceback and lost steps.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class DeviceError(ConfigError):
@@ -49,7 +50,14 @@ def setup_threads() -> None:
     if "LOCAL_WORLD_SIZE" in os.environ and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        torch.set_num_threads(max(1, node_cpus() // int(os.environ["LOCAL_WORLD_SIZE"])))
+
+
+def node_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by the Slurm step's CPUs per task where there is one."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return min(cpus, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cpus
 
 
 # --- process groups -------------------------------------------------------------------------------------
@@ -181,7 +189,7 @@ def dp_sum(tensor: Any) -> Any:
 
 
 class StopSignal:
-    """SIGTERM/SIGUSR1/SIGUSR2 set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
+    """SIGTERM/USR1/USR2/INT set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -191,15 +199,61 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def agreed(self, device: str) -> bool:
+    def agreed(self, device: str, group: Any = None) -> bool:
         """True on every rank when any rank received a signal (a collective: every rank calls it)."""
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def restore(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+# --- where the ranks run, and how training ended (read by launchers/train_job.sh) ------------------------
+def topology() -> list[dict[str, Any]]:
+    """Every rank's node (Slurm's node name, else the hostname), local rank and CPUs, gathered in rank order."""
+    import socket
+
+    import torch.distributed as dist
+
+    mine = {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "cpus": node_cpus(),
+        "slurm_cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK", ""),
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def topology_line(ranks: list[dict[str, Any]]) -> str:
+    """`topology: 2 node(s): prism1 ranks 0,1 (SLURM_CPUS_PER_TASK 4), prism2 ranks 2,3 (...)`."""
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for r in ranks:
+        nodes.setdefault(r["node"], []).append(r)
+    parts = [
+        f"{node} ranks {','.join(str(r['rank']) for r in rs)} "
+        f"(SLURM_CPUS_PER_TASK {rs[0]['slurm_cpus_per_task'] or '-'}, {rs[0]['cpus']} CPUs)"
+        for node, rs in nodes.items()
+    ]
+    return f"topology: {len(nodes)} node(s): {', '.join(parts)}"
+
+
+def write_exit_record(reason: str, step: int) -> None:
+    """`REASON STEP` into $PRISM_EXIT_FILE (set by train_job.sh): whether the job step checkpointed for a stop
+    signal does not show in torchrun's exit status, so the launcher reads it here."""
+    path = os.environ.get("PRISM_EXIT_FILE")
+    if not path:
+        return
+    from pipeline.atomic import write_atomic
+
+    try:
+        write_atomic(path, f"{reason} {step}\n")
+    except OSError as e:  # the launcher then treats the run as failed; training itself is done
+        print(f"prism train: could not write the exit record {path}: {e}", flush=True)

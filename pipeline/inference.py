@@ -7,6 +7,7 @@ through pipeline.checkpoint, which alone knows DeepSpeed's file layout.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -56,15 +57,31 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
     return cfg, model, info
 
 
+def tokenizer_file(cfg: Config) -> Path:
+    """data.tokenizer in every spelling `prism prepare` accepts: a tokenizer.json path, or a Hub name such as
+    gpt2 (the HF cache first, then the Hub). When that fails and the run's dataset is there, the tokenizer its
+    manifest recorded. One ConfigError line when none resolves."""
+    from data_prep.build import resolve_tokenizer
+    from pipeline.dataset import MANIFEST, read_manifest
+
+    spellings = [cfg.data.tokenizer]
+    if (Path(cfg.data.dataset_dir) / MANIFEST).is_file():
+        recorded = read_manifest(cfg.data.dataset_dir)["tokenizer"]["name_or_path"]
+        spellings += [recorded] if recorded != cfg.data.tokenizer else []
+    errors = []
+    for name in spellings:
+        try:
+            return Path(resolve_tokenizer(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=name))))
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(f"{'; '.join(errors)} (set data.tokenizer=PATH/tokenizer.json or a Hub name such as gpt2)")
+
+
 def load_tokenizer(cfg: Config):
-    """The run's tokenizer (cfg.data.tokenizer, a tokenizer.json path) and its EOS id."""
+    """The run's tokenizer (see tokenizer_file for the spellings) and its EOS id."""
     from tokenizers import Tokenizer
 
-    path = Path(cfg.data.tokenizer)
-    if not path.is_file():
-        raise ConfigError(
-            f"data.tokenizer={cfg.data.tokenizer}: tokenizer file not found; pass data.tokenizer=PATH/tokenizer.json"
-        )
+    path = tokenizer_file(cfg)
     tok = Tokenizer.from_file(str(path))
     eos = tok.token_to_id(cfg.data.eos_token)
     if eos is None:

@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from pipeline import checkpoint, data
+from pipeline import plan as plan_lib
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
+from pipeline.dataset import DataError, read_shard
 from pipeline.distributed import (
     StopSignal,
     deepspeed_device_args,
-    dp_mean,
     dp_sum,
     init_distributed,
     init_model_parallel,
@@ -58,13 +59,28 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
+def adamw_implementation(device: str) -> dict[str, bool]:
+    """torch AdamW's kernels: fused on CUDA (one kernel per step, step counts on the device, no host reads);
+    the plain per-tensor loop on CPU, which earlier CPU runs and references were made with."""
+    return {"fused": True} if device == "cuda" else {"foreach": False}
+
+
 def make_optimizer(cfg: Config, model: Any) -> Any:
     import torch
 
+    from pipeline.distributed import train_device
+
     t = cfg.train
     # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam (~80 s) and differs per device.
+    # Under ZeRO-1/2 DeepSpeed swaps each group's params for one flat fp32 partition and steps THIS optimizer
+    # on it (stage_1_and_2.py: optimizer.param_groups[i]["params"] = [flat fp32 partition]), so a fused
+    # AdamW runs one kernel over each flat group.
     return torch.optim.AdamW(
-        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False
+        param_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        **adamw_implementation(train_device(cfg)),
     )
 
 
@@ -77,13 +93,14 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, An
         "train_batch_size": t.micro_batch_size * grad_accum * dp_size,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
+        "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": False},  # no per-step NaN read-back
         # bf16 like the paper's codebase: fp32 master weights and micro-batch gradients summed in fp32, so the
         # result does not depend on how many micro-batches (GPUs) make up a step
         **({"data_types": {"grad_accum_dtype": "fp32"}} if t.precision == "bf16" else {}),
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False}},  # else a device synchronize in every forward and step
     }
 
 
@@ -99,7 +116,21 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
         mpu=compat.MegatronMpu(),
         config=deepspeed_config(cfg, grad_accum, dp_size),
     )
+    log_optimizer_stepped(engine, optimizer)
     return engine, optimizer
+
+
+def optimizer_stepped(engine: Any, optimizer: Any) -> str:
+    """What DeepSpeed actually steps: its wrapper, the torch optimizer's kernels and the tensors per group."""
+    impl = "fused" if optimizer.defaults.get("fused") else "foreach" if optimizer.defaults.get("foreach") else "loop"
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    return f"{type(engine.optimizer).__name__} -> torch AdamW ({impl}) over {groups} tensors per param group"
+
+
+def log_optimizer_stepped(engine: Any, optimizer: Any) -> None:
+    import logging
+
+    logging.getLogger(__name__).info("optimizer: %s", optimizer_stepped(engine, optimizer))
 
 
 # --- measurements -------------------------------------------------------------------------------------
@@ -166,12 +197,23 @@ class StepResult:
 
     @property
     def finite(self) -> bool:
+        self.read_back()
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+    def read_back(self) -> StepResult:
+        """Loss and grad norm to host floats: the step's one host sync, done on sync steps only."""
+        if not isinstance(self.loss, float) or not isinstance(self.grad_norm, float):
+            import torch
+
+            values = [torch.as_tensor(v, dtype=torch.float32) for v in (self.loss, self.grad_norm)]
+            self.loss, self.grad_norm = torch.stack([v.to(values[0].device) for v in values]).tolist()
+        return self
 
 
 def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: int, device: str) -> StepResult:
     """One optimizer step: ``grad_accum`` micro-batches forward and backward, DeepSpeed's clipped update."""
     import torch
+    from megatron.core import parallel_state
 
     from pipeline.model import lm_loss
 
@@ -183,13 +225,63 @@ def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: 
     for _ in range(grad_accum):
         batch = loader.next_batch()
         batches.append(batch)
-        loss = lm_loss(engine, torch.from_numpy(batch).to(device))
+        # pinned by the loader on CUDA: the copy overlaps the previous micro-batch's kernels
+        loss = lm_loss(engine, torch.from_numpy(batch).to(device, non_blocking=True))
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the update at the accumulation boundary only
         micro_losses.append(loss.detach())
-    mean_loss = dp_mean(torch.stack(micro_losses).float().mean(), device)
-    grad_norm = float(engine.get_global_grad_norm() or 0.0)
+    # Device tensors, no host sync here: StepResult.read_back() turns them into floats on sync steps.
+    mean_loss = dp_sum(torch.stack(micro_losses).float().mean()) / parallel_state.get_data_parallel_world_size()
+    grad_norm = engine.get_global_grad_norm()
+    grad_norm = torch.zeros((), device=device) if grad_norm is None else grad_norm
     return StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
+
+
+def is_sync_step(cfg: Config, step: int, total_steps: int) -> bool:
+    """Steps whose loss and grad norm come back to the host: log, val, checkpoint and the first and last."""
+    t = cfg.train
+    return (
+        step in (1, total_steps)
+        or step % t.log_every == 0
+        or step % t.val_every == 0
+        or step % cfg.checkpoint.every_steps == 0
+    )
+
+
+class UnreadSteps:
+    """Steps trained since the last sync step, their losses still on the device."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, StepResult]] = []
+        self.since = time.perf_counter()
+
+    def add(self, step: int, result: StepResult) -> None:
+        self.steps.append((step, result))
+
+    def read_back(self, recent: deque[float]) -> tuple[int, StepResult] | None:
+        """Floats for every unread step (the first one that is not finite is returned); each step's time
+        becomes the mean wall time since the last sync, the only honest figure once kernels run async."""
+        steps, self.steps = self.steps, []
+        now = time.perf_counter()
+        for step, result in steps:
+            result.read_back()
+            result.seconds = (now - self.since) / len(steps)
+            if not result.finite:
+                return step, result
+            recent.append(result.loss)
+        self.since = now
+        return None
+
+
+def stop_agreement(stopper: StopSignal, device: str) -> Any:
+    """A per-step check that all ranks agree to stop, without a device sync: on CUDA over a gloo group
+    of CPU tensors (reading a CUDA flag would wait for the step's kernels)."""
+    if device != "cuda":
+        return lambda: stopper.agreed(device)
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    return lambda: stopper.agreed("cpu", group=group)
 
 
 def log_step(
@@ -277,11 +369,37 @@ def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[f
         )
 
 
+def check_data_before_start(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:
+    """Refuse a budget beyond one epoch (unless data.allow_repeat) and, per data.verify_on_start, hash every
+    shard: each rank a disjoint slice, every rank raises the first problem any rank found. Returns the epochs."""
+    import torch.distributed as dist
+
+    epochs = plan_lib.check_epochs(cfg, manifest, dp_size)
+    if plan_lib.should_verify_on_start(cfg, manifest):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        entries = [(split, e) for split in manifest["splits"] for e in manifest["splits"][split]["shards"]]
+        problem = None
+        for split, entry in entries[rank::world]:
+            try:
+                read_shard(cfg.data.dataset_dir, manifest, split, entry)
+            except DataError as e:
+                problem = str(e)
+                break
+        found: list[str | None] = [None] * world
+        dist.all_gather_object(found, problem)
+        if first := next((p for p in found if p), None):
+            raise DataError(f"data.verify_on_start: {first}")
+        if rank == 0:
+            print(f"prism train: data.verify_on_start: {len(entries)} shards match the manifest", flush=True)
+    return epochs
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from pipeline.distributed import topology, topology_line, write_exit_record
     from pipeline.model import build_model
     from pipeline.model.gpt import check_spec
     from pipeline.tracking import make_tracker
@@ -304,8 +422,11 @@ def train(cfg: Config) -> dict[str, Any]:
     total_steps, warmup, grad_accum = plan["total"], plan["warmup"], plan["grad_accum"]
     micro, t = cfg.train.micro_batch_size, cfg.train
     master = rank == 0
+    epochs = check_data_before_start(cfg, manifest, dp_size)  # before the model: a bad dataset costs nothing
 
-    loader = data.ShardLoader(cfg, dp_rank=dp_rank, dp_size=dp_size, batch_size=micro, manifest=manifest)
+    loader = data.ShardLoader(
+        cfg, dp_rank=dp_rank, dp_size=dp_size, batch_size=micro, manifest=manifest, pin_memory=device == "cuda"
+    )
     val_rows = data.load_val_tokens(cfg, manifest)
     model = build_model(cfg)  # on the GPU already when there is one
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
@@ -315,20 +436,30 @@ def train(cfg: Config) -> dict[str, Any]:
         checkpoint.load(engine, cfg, resume_tag, state)
     tracker = make_tracker(cfg, rank)
     state.run_id = tracker.start(cfg, run_id=state.run_id)
+    # at the first step this start trains, like every other metric (no step 0 in the history)
+    data_metrics = {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
+    tracker.log_metrics(data_metrics, state.step + 1)
     stopper = StopSignal()
+    ranks = topology()  # a collective: every rank
     if master:
+        print(f"prism train: {topology_line(ranks)}", flush=True)
         for note in resume.notes:  # e.g. a damaged newest checkpoint and the one resumed from instead
             print(note, flush=True)
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
         print(
             f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
             f"ZeRO-{cfg.parallel.zero_stage} {t.precision} on {device} | {total_steps} steps, grad_accum "
-            f"{grad_accum}, warmup {warmup}",
+            f"{grad_accum}, warmup {warmup} | {epochs:.2f} epochs of the data",
             flush=True,
         )
+        ui_url = getattr(tracker, "ui_url", lambda: None)()
+        if ui_url:
+            print(f"prism train: MLflow run {ui_url}", flush=True)
 
     exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
     recent: deque[float] = deque(maxlen=20)
+    stop_check = stop_agreement(stopper, device)
+    unread = UnreadSteps()
     started = last_line = time.perf_counter()  # console progress: wall time of the steps since the last line
     last_line_step = state.step
     while state.step < total_steps:
@@ -336,14 +467,18 @@ def train(cfg: Config) -> dict[str, Any]:
         result = train_step(engine, optimizer, loader, lr, grad_accum, device)
         state.step += 1
         state.tokens_seen += t.batch_tokens
-        train_loss = result.loss
-        if not result.finite:
-            report_nonfinite(cfg, state.step, result, recent)
+        step = state.step
+        unread.add(step, result)
+        stop = stop_check()
+        if not stop and not is_sync_step(cfg, step, total_steps):
+            continue  # no host sync on this step: its loss and grad norm are read at the next sync step
+        bad = unread.read_back(recent)  # the one host sync since the last sync step
+        if bad is not None:
+            report_nonfinite(cfg, bad[0], bad[1], recent)
             exit_code = EXIT_NONFINITE
             break
-        recent.append(train_loss)
+        train_loss = result.loss
 
-        step = state.step
         val_loss = None
         if step % t.val_every == 0 or step == total_steps:
             val_loss = last_val = evaluate(engine, val_rows, micro, device)
@@ -353,12 +488,11 @@ def train(cfg: Config) -> dict[str, Any]:
             log_step(cfg, tracker, state, total_steps, result, val_loss, device, progress)
             last_line, last_line_step = now, state.step
 
-        stop = stopper.agreed(device)
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
             tag = checkpoint.save(engine, cfg, state)
             if master:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
-        if stop:
+        if stop and step < total_steps:  # a signal at the final step: the run is done, nothing to resume
             if master:
                 print(
                     f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
@@ -368,11 +502,13 @@ def train(cfg: Config) -> dict[str, Any]:
             exit_code = EXIT_STOPPED
             break
 
+    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
+    if master:  # before restoring the signal handlers: a late stop signal must not kill us before it is written
+        write_exit_record(reason, state.step)
     stopper.restore()
     loader.close()
     status = {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code]
     tracker.finish(status)
-    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
     return {
         "steps": state.step,
         "total_steps": total_steps,

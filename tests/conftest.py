@@ -4,7 +4,7 @@ tiny_data         a real prepared dataset (embedded corpus slice, 8k BPE, datatr
 mlflow_server     a real `mlflow server` on 127.0.0.1
 tracked_runs      four tiny `prism train` runs logged to mlflow_server
 tiny_checkpoints  a 2-step Prism and uniform checkpoint, each with its own SQLite MLflow store
-slurm_cluster     the one-node Slurm cluster of ops/local_slurm
+slurm_cluster     the two-node Slurm cluster of ops/local_slurm
 
 tests/unit/ uses only tiny_data; the others start processes or services and belong to tests/integration/.
 """

@@ -46,9 +46,10 @@ tail_logs() {
   done
 }
 
-# stop_daemon COMM: TERM the daemon recorded in $STATE/run/COMM.pid (only if it is that program), wait, then KILL.
+# stop_daemon NAME [COMM]: TERM the daemon recorded in $STATE/run/NAME.pid (only if it is the program COMM,
+# default NAME), wait, then KILL.
 stop_daemon() {
-  local name=$1 pidfile="$STATE/run/$1.pid" pid i
+  local name=${2:-$1} pidfile="$STATE/run/$1.pid" pid i
   if ! alive "$pidfile" "$name"; then
     rm -f "$pidfile"
     return 0
@@ -65,5 +66,16 @@ stop_daemon() {
     kill -KILL "$pid" 2>/dev/null || true
   fi
   rm -f "$pidfile"
-  log "stopped $name (pid $pid)"
+  log "stopped $1 (pid $pid)"
+}
+
+# stop_slurmds: every slurmd this host runs for the cluster (run/slurmd-NODE.pid; run/slurmd.pid is the
+# one-node layout of older start.sh versions).
+stop_slurmds() {
+  local f
+  for f in "$STATE"/run/slurmd-*.pid "$STATE/run/slurmd.pid"; do
+    [ -e "$f" ] || continue
+    f=${f##*/}
+    stop_daemon "${f%.pid}" slurmd
+  done
 }

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Start a real one-node Slurm cluster on this host (munge, MariaDB + slurmdbd for accounting, slurmctld,
-# slurmd) without systemd, then wait until the node takes jobs. Idempotent: daemons that already run
+# Start a real Slurm cluster of one or more nodes on this host (munge, MariaDB + slurmdbd for accounting,
+# slurmctld, one slurmd per node) without systemd, then wait until every node takes jobs. Several nodes on
+# one machine are Slurm's `slurmd -N NAME`: each node has its own name, port, spool, pid and log file, and
+# all bind to loopback. Idempotent: daemons that already run
 # with the same config are kept; a changed config restarts slurmctld + slurmd. Safe to call from
 # parallel test workers (one lock). Stop with ops/local_slurm/stop.sh (ends only what this started).
 #
 # Environment:
 #   PRISM_SLURM_DIR         state, spool, logs, pid files, MariaDB datadir   (default /tmp/prism-slurm)
-#   PRISM_SLURM_CPUS        task slots of the node; more than the cores oversubscribes on purpose
-#                           (default: the real CPU count)
+#   PRISM_SLURM_NODES       number of nodes (default 1). 1: one node named after this host, as before;
+#                           N > 1: nodes prism1..prismN, slurmd ports 6818, 6821, 6822, ... (6819 is slurmdbd)
+#   PRISM_SLURM_CPUS        task slots per node, one number for every node or a comma list, one per node
+#                           ("4,2"); more than the cores oversubscribes on purpose (default: the real CPU count)
 #   PRISM_SLURM_ACCOUNTING  1 = slurmdbd + MariaDB (sacct works; submitit's result() of killed or
 #                           timed-out jobs returns instead of hanging), 0 = none          (default 1)
 #   PRISM_SLURM_TIMEOUT     seconds to wait for each daemon / the idle node               (default 60)
@@ -17,11 +21,18 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=ops/local_slurm/lib.sh
 source "$HERE/lib.sh"
 
+NODES=${PRISM_SLURM_NODES:-1}
 CPUS=${PRISM_SLURM_CPUS:-$(nproc)}
 ACCOUNTING=${PRISM_SLURM_ACCOUNTING:-1}
 TIMEOUT=${PRISM_SLURM_TIMEOUT:-60}
 [ "$(id -u)" -eq 0 ] || die "must run as root (it writes $SLURM_CONF_DIR and starts the daemons)"
-[[ "$CPUS" =~ ^[0-9]+$ ]] && [ "$CPUS" -ge 1 ] || die "PRISM_SLURM_CPUS=$CPUS is not a positive integer"
+[[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "PRISM_SLURM_NODES=$NODES is not a positive integer"
+IFS=, read -r -a node_cpus <<<"$CPUS"
+[ "${#node_cpus[@]}" -eq 1 ] || [ "${#node_cpus[@]}" -eq "$NODES" ] \
+  || die "PRISM_SLURM_CPUS=$CPUS lists ${#node_cpus[@]} CPU counts for $NODES nodes; give one, or one per node"
+for c in "${node_cpus[@]}"; do
+  [[ "$c" =~ ^[1-9][0-9]*$ ]] || die "PRISM_SLURM_CPUS=$CPUS: '$c' is not a positive integer"
+done
 
 mkdir -p "$STATE/run" "$STATE/log" "$STATE/ctld" "$STATE/spool"
 exec 9>"$STATE/start.lock"  # daemons start with 9>&- so they never hold the lock
@@ -57,13 +68,26 @@ read -r sockets cores threads mem < <(slurmd -C | awk '
   /NodeName/ { for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } }
   END { print (v["SocketsPerBoard"] ? v["SocketsPerBoard"] : v["Sockets"]), v["CoresPerSocket"], v["ThreadsPerCore"], v["RealMemory"] }')
 real_cpus=$((sockets * cores * threads))
-if [ "$CPUS" -eq "$real_cpus" ]; then
-  topology="Sockets=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads"
-  overrides=""
-else  # more (or fewer) slots than cores: slurmd must trust the config, not the hardware
-  topology="Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1"
-  overrides="SlurmdParameters=config_overrides"
-fi
+names=()
+node_lines=""
+overrides=""
+for i in $(seq "$NODES"); do
+  cpus=${node_cpus[$(((i - 1) % ${#node_cpus[@]}))]}
+  if [ "$NODES" -eq 1 ]; then
+    name=$HOST port=6818
+  else
+    name=prism$i port=$((i == 1 ? 6818 : 6819 + i))
+  fi
+  names+=("$name")
+  if [ "$NODES" -eq 1 ] && [ "$cpus" -eq "$real_cpus" ]; then
+    topology="Sockets=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads"
+  else  # fake nodes, or more (or fewer) slots than cores: slurmd must trust the config, not the hardware
+    topology="Sockets=1 CoresPerSocket=$cpus ThreadsPerCore=1"
+    overrides="SlurmdParameters=config_overrides"
+  fi
+  node_lines+="NodeName=$name NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$port CPUs=$cpus $topology"
+  node_lines+=" RealMemory=$((mem * 9 / 10 / NODES)) State=UNKNOWN"$'\n'
+done
 if [ "$ACCOUNTING" = 1 ]; then
   storage="AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1"
@@ -72,7 +96,7 @@ else
 fi
 
 new_conf=$(cat <<EOF
-# Written by ops/local_slurm/start.sh: one node bound to this host (loopback).
+# Written by ops/local_slurm/start.sh: $NODES node(s) on this host, bound to loopback.
 ClusterName=prism
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
@@ -92,14 +116,14 @@ MinJobAge=300
 KillWait=30
 $storage
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
+# %n = the node's name: every slurmd of this host has its own spool, pid and log file.
+SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$STATE/run/slurmctld.pid
-SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
 $overrides
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS $topology RealMemory=$((mem * 9 / 10)) State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 )
 mkdir -p "$SLURM_CONF_DIR"
@@ -161,7 +185,7 @@ fi
 
 # --- slurmctld + slurmd ------------------------------------------------------------------------------
 if [ "$conf_changed" = 1 ]; then  # both daemons must re-read a changed slurm.conf
-  stop_daemon slurmd
+  stop_slurmds
   stop_daemon slurmctld
 fi
 if ! alive "$STATE/run/slurmctld.pid" slurmctld; then
@@ -169,24 +193,30 @@ if ! alive "$STATE/run/slurmctld.pid" slurmctld; then
   wait_for "slurmctld" "$TIMEOUT" scontrol ping
   log "slurmctld started (pid $(cat "$STATE/run/slurmctld.pid"))"
 fi
-if ! alive "$STATE/run/slurmd.pid" slurmd; then
-  slurmd 9>&-
-  wait_for "slurmd" "$TIMEOUT" test -s "$STATE/run/slurmd.pid"
-  log "slurmd started (pid $(cat "$STATE/run/slurmd.pid"))"
-fi
-
-# --- wait until the node takes jobs ---------------------------------------------------------------
-deadline=$((SECONDS + TIMEOUT))
-while :; do
-  state=$(sinfo -h -N -n "$HOST" -o %T 2>/dev/null | head -1)
-  case "$state" in
-    idle | mixed | allocated) break ;;
-    down* | drain* | drained*) scontrol update nodename="$HOST" state=resume 2>/dev/null || true ;;
-  esac
-  if [ "$SECONDS" -ge "$deadline" ]; then
-    tail_logs
-    die "node $HOST is '${state:-unknown}' after ${TIMEOUT} s, not idle; logs above"
+for name in "${names[@]}"; do
+  pidfile="$STATE/run/slurmd-$name.pid"
+  if ! alive "$pidfile" slurmd; then
+    mkdir -p "$STATE/spool/$name"
+    slurmd -N "$name" 9>&-
+    wait_for "slurmd -N $name" "$TIMEOUT" test -s "$pidfile"
+    log "slurmd $name started (pid $(cat "$pidfile"))"
   fi
-  sleep 0.2
 done
-log "cluster up: node $HOST $state, $CPUS CPUs, accounting=$ACCOUNTING, state in $STATE"
+
+# --- wait until every node takes jobs -------------------------------------------------------------
+deadline=$((SECONDS + TIMEOUT))
+for name in "${names[@]}"; do
+  while :; do
+    state=$(sinfo -h -N -n "$name" -o %T 2>/dev/null | head -1)
+    case "$state" in
+      idle | mixed | allocated) break ;;
+      down* | drain* | drained*) scontrol update nodename="$name" state=resume 2>/dev/null || true ;;
+    esac
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      tail_logs
+      die "node $name is '${state:-unknown}' after ${TIMEOUT} s, not idle; logs above"
+    fi
+    sleep 0.2
+  done
+done
+log "cluster up: $NODES node(s) ${names[*]}, CPUs $CPUS, accounting=$ACCOUNTING, state in $STATE"

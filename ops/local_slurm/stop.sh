@@ -9,6 +9,7 @@ source "$HERE/lib.sh"
 [ -d "$STATE/run" ] || exit 0
 exec 9>"$STATE/start.lock"
 flock -w 300 9 || die "another start.sh/stop.sh holds $STATE/start.lock"
-for name in slurmd slurmctld slurmdbd mariadbd munged; do
+stop_slurmds
+for name in slurmctld slurmdbd mariadbd munged; do
   stop_daemon "$name"
 done

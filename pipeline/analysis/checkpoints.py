@@ -18,9 +18,15 @@ def measure_checkpoint(
 ) -> dict[str, Any]:
     """D_l of one checkpoint: writes <out>/<run>-<tag>.{csv,json,png}; returns the result with its files."""
     from pipeline.checkpoint import resolve_tag_dir
+    from pipeline.data import check_compatible
+    from pipeline.dataset import read_manifest
     from pipeline.inference import load_checkpoint, load_config
 
-    data_dir = load_config(resolve_tag_dir(path), overrides).data.dataset_dir
+    cfg = load_config(resolve_tag_dir(path), overrides)
+    data_dir = cfg.data.dataset_dir
+    # The dataset's tokens must be the model's: data.tokenizer (a file or a Hub name, as in prepare) is checked
+    # against the manifest's before the model loads.
+    check_compatible(read_manifest(data_dir), cfg)
     available = count_sequences(data_dir, split)  # refuse before loading a model
     if sequences > available:
         raise ConfigError(

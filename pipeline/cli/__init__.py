@@ -16,6 +16,7 @@ from pipeline.cli import (
     demo,
     eval,
     model,
+    plan,
     prepare,
     schedule,
     study,
@@ -27,7 +28,7 @@ from pipeline.config import ConfigError
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
-VERB_MODULES = (schedule, model, prepare, train, tracking, compare, eval, attention_distance, sweep, study, demo)
+VERB_MODULES = (schedule, model, plan, prepare, train, tracking, compare, eval, attention_distance, sweep, study, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +60,7 @@ EXAMPLES = {
     "schedule show": "prism schedule show configs/prism_124m.yaml",
     "schedule enumerate": "prism schedule enumerate --d-model 192 --layers 8 --h-base 12 --limit 10",
     "model report": "prism model report configs/prism_354m.yaml parallel.tp=2",
+    "plan": "prism plan configs/prism_757m.yaml --nodes 1 --gpus-per-node 8 --peak-tflops 989",
     "prepare": "prism prepare configs/tiny_prism.yaml --overwrite data.tasks=2",
     "train": "prism train configs/tiny_prism.yaml run.seed=2 train.train_tokens=81920",
     "tracking sync": "prism tracking sync runs/prism-tiny-s1234 --tracking-uri http://127.0.0.1:5000",

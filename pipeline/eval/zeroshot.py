@@ -113,12 +113,13 @@ def evaluate_checkpoint(
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate one checkpoint, write the JSON report, log to its MLflow run; returns the report."""
+    from pipeline.checkpoint import resolve_tag_dir
     from pipeline.eval.lm import PrismLM
-    from pipeline.inference import load_checkpoint, load_tokenizer
+    from pipeline.inference import load_checkpoint, load_config, load_tokenizer
 
     check_tasks(tasks, source)  # before the model is loaded
+    tokenizer, eos_id = load_tokenizer(load_config(resolve_tag_dir(checkpoint), overrides))  # and this too
     cfg, model, info = load_checkpoint(checkpoint, overrides, device)
-    tokenizer, eos_id = load_tokenizer(cfg)
     lm = PrismLM(model, tokenizer, eos_id, cfg.model.seq_len, batch_size=batch_size)
     started = time.time()
     scores = evaluate(lm, tasks, limit, source)

@@ -97,6 +97,12 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d_h]
         dropout = self.dropout if self.training else 0.0
+        with sdpa_kernel_context(self):
+            out = self._sdpa(q, k, v, dropout)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _sdpa(self, q, k, v, dropout):
         if dropout:
             from megatron.core import tensor_parallel
 
@@ -107,5 +113,17 @@ class SDPAttention(MegatronModule):
                 )
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return out
+
+
+def sdpa_kernel_context(module):
+    """torch.nn.attention.sdpa_kernel for the kernel model.attention_backend pins (build_model sets
+    ``module.sdpa_backend``), else no restriction."""
+    import contextlib
+
+    backend = getattr(module, "sdpa_backend", None)
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backend)

@@ -160,7 +160,7 @@ def layer_spec(cfg: Config, *, allow_te: bool = True):
         spec, name = gpt_layer_specs.get_gpt_layer_local_spec(normalization=norm), "local"
     attn = spec.submodules.self_attention
     attn.module = PrismSelfAttention
-    if cfg.model.attention_backend == "sdpa":
+    if cfg.model.attention_backend != "megatron":  # sdpa, or a pinned SDPA kernel
         attn.submodules.core_attention = SDPAttention
     log.info("model: %s layer spec, core attention %s", name, attn.submodules.core_attention.__name__)
     return spec
@@ -188,6 +188,7 @@ def build_model(cfg: Config, *, meta: bool = False):
     from megatron.core.models.gpt import GPTModel
 
     from pipeline import compat
+    from pipeline.model.loss import use_chunked_loss
 
     check_tp_groups(cfg)
     compat.apply_cpu_shims()
@@ -215,11 +216,23 @@ def build_model(cfg: Config, *, meta: bool = False):
             position_embedding_type="none",  # RoPE is applied per layer (PrismSelfAttention)
         )
     model.prism_vocab_size = cfg.model.vocab_size  # logits() cuts the padding off
+    use_chunked_loss(model)  # lm_loss: chunked vocab-parallel cross-entropy on megatron's labels path
+    if not meta:
+        pin_sdpa_kernel(cfg, model)
     if config.bf16 and not meta:
         model.bfloat16()  # norms are created in fp32 otherwise
     if use_cuda(cfg) and not meta:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def pin_sdpa_kernel(cfg: Config, model) -> None:
+    """Log the SDPA kernel per head dim (refusing a pinned one that cannot run here) and pin it in every layer."""
+    from pipeline.model import sdpa_backend
+
+    sdpa_backend.check_and_log(cfg, train_device(cfg))
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.sdpa_backend = sdpa_backend.pinned_backend(cfg)
 
 
 def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
@@ -229,12 +242,14 @@ def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP."""
-    from megatron.core import tensor_parallel
+    """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
 
-    logits = _forward_local_logits(model, tokens[:, :-1])
-    targets = tokens[:, 1:].to(logits.device)
-    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean()
+    The model's loss hook is pipeline.model.loss's chunked one (build_model installs it): the logits stay
+    [s, b, V/TP] in the model's dtype, no fp32 or [b, s, V] copy of them is made."""
+    device = next(model.parameters()).device
+    inputs = tokens[:, :-1].to(device, non_blocking=True)
+    targets = tokens[:, 1:].to(device, non_blocking=True)
+    return model(inputs, None, None, labels=targets).mean()  # megatron's labels path: logits stay [s, b, V]
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import sys
 VERBS = [
     "schedule",
     "model",
+    "plan",
     "prepare",
     "train",
     "tracking",

@@ -11,6 +11,10 @@ import torch
 
 from pipeline import config, distributed
 from pipeline.model import build_model, capture_attention, lm_loss, logits
+from pipeline.model import loss as loss_module
+from pipeline.model.gpt import _forward_local_logits
+
+loss_module.CHUNK_ELEMENTS = 8 * 8192  # the chunked loss walks several chunks of tokens here
 
 CONFIG = "configs/tiny_prism.yaml"
 SHORT = ["model.seq_len=64"]
@@ -54,6 +58,15 @@ def run(model, tokens):
     return out, loss.detach(), grads, maps
 
 
+def megatron_loss(model, tokens):
+    """megatron's fp32 vocab-parallel cross-entropy on the same model: what lm_loss replaced."""
+    from megatron.core import tensor_parallel
+
+    with torch.no_grad():
+        local = _forward_local_logits(model, tokens[:, :-1])
+        return tensor_parallel.vocab_parallel_cross_entropy(local.float(), tokens[:, 1:]).mean()
+
+
 def compare(overrides: list[str]) -> dict:
     cfg1 = config.load(CONFIG, overrides + ["parallel.tp=1"])
     distributed.init_model_parallel(1, cfg1.run.seed)
@@ -74,6 +87,7 @@ def compare(overrides: list[str]) -> dict:
         "ref_loss": ref_loss,
         "tp_logits": tp_logits,
         "tp_loss": tp_loss,
+        "tp_megatron_loss": megatron_loss(model, tokens),
         # shard the reference grads the same way, so each rank compares like with like
         "ref_grads": shard(ref_grads, model),
         "tp_grads": tp_grads,

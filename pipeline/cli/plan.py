@@ -1,0 +1,49 @@
+"""`prism plan CONFIG [--nodes N --gpus-per-node G] [--mfu 0.4] [--peak-tflops T] [overrides]`: what a run will be."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print a run's layout, steps, epochs, memory per GPU and wall time before launching it",
+        description="Layout (TP x DP), micro-batch and grad accumulation, steps, tokens, epochs of the dataset, "
+        "per-GPU memory estimate, FLOPs per token and wall time at a given MFU. Pure arithmetic: no GPU needed.",
+    )
+    p.add_argument("config", help="YAML preset, e.g. configs/prism_757m.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 train.micro_batch_size=4")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per node (default 1)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the wall time (default 0.4)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU in TFLOP/s (default train.peak_flops)"
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="device name as torch reports it, e.g. 'NVIDIA H100 80GB HBM3': its peak from the table",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline import config
+    from pipeline.plan import format_plan, make_plan, plan_json, read_manifest_if_prepared
+
+    cfg = config.load(args.config, args.overrides)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    if peak is None and args.gpu:
+        from pipeline.hardware import PEAK_BF16_FLOPS, peak_bf16_flops
+
+        peak = peak_bf16_flops(args.gpu)
+        if peak is None:
+            raise config.ConfigError(
+                f"--gpu {args.gpu!r} is not in the peak-FLOPs table; use one of: {', '.join(PEAK_BF16_FLOPS)}, "
+                "or pass --peak-tflops"
+            )
+    plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.mfu, peak, read_manifest_if_prepared(cfg))
+    print(plan_json(plan) if args.json else format_plan(cfg, plan))
+    return 0

@@ -1,0 +1,123 @@
+"""Every number (and every name that becomes a path) is range-checked when the config loads: one line naming
+the key, exit 2 through the CLI, before anything is built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny_prism.yaml"
+
+# (override, the key the message must name). Values sit just outside each key's range.
+BAD = [
+    ("run.seed=-1", "run.seed"),
+    ("run.seed=4294967296", "run.seed"),
+    ("run.scale=../../x", "run.scale"),
+    ("run.scale=a/b", "run.scale"),
+    ("run.scale=''", "run.scale"),
+    ("run.output_dir=''", "run.output_dir"),
+    ("model.num_layers=0", "model.num_layers"),
+    ("model.d_model=0", "model.d_model"),
+    ("model.h_base=0", "model.h_base"),
+    ("model.ffn_hidden_size=0", "model.ffn_hidden_size"),
+    ("model.seq_len=0", "model.seq_len"),
+    ("model.vocab_size=0", "model.vocab_size"),
+    ("model.norm_eps=0", "model.norm_eps"),
+    ("model.rope_base=1", "model.rope_base"),
+    ("model.dropout=2.0", "model.dropout"),
+    ("model.dropout=-0.1", "model.dropout"),
+    ("model.init_std=0", "model.init_std"),
+    ("parallel.tp=0", "parallel.tp"),
+    ("parallel.zero_stage=4", "parallel.zero_stage"),
+    ("train.batch_tokens=0", "train.batch_tokens"),
+    ("train.micro_batch_size=0", "train.micro_batch_size"),
+    ("train.lr=0", "train.lr"),
+    ("train.lr=-3e-4", "train.lr"),  # used to blame train.min_lr
+    ("train.lr=.nan", "train.lr"),
+    ("train.lr=.inf", "train.lr"),
+    ("train.train_tokens=0", "train.train_tokens"),
+    ("train.min_lr=-1e-5", "train.min_lr"),
+    ("train.warmup_fraction=1.0", "train.warmup_fraction"),
+    ("train.weight_decay=-0.1", "train.weight_decay"),
+    ("train.beta1=1.0", "train.beta1"),
+    ("train.beta2=-0.5", "train.beta2"),
+    ("train.eps=0", "train.eps"),
+    ("train.grad_clip=-1", "train.grad_clip"),
+    ("train.log_every=0", "train.log_every"),
+    ("train.val_every=0", "train.val_every"),
+    ("train.val_tokens=0", "train.val_tokens"),
+    ("train.prefetch=0", "train.prefetch"),
+    ("train.peak_flops=0", "train.peak_flops"),
+    ("data.dataset_dir=''", "data.dataset_dir"),
+    ("data.input=''", "data.input"),
+    ("data.tokenizer=''", "data.tokenizer"),
+    ("data.eos_token=''", "data.eos_token"),
+    ("data.limit=0", "data.limit"),
+    ("data.limit=-2", "data.limit"),
+    ("data.val_fraction=1", "data.val_fraction"),
+    ("data.sequences_per_sample=0", "data.sequences_per_sample"),
+    ("data.samples_per_shard=0", "data.samples_per_shard"),
+    ("data.val_samples_per_shard=0", "data.val_samples_per_shard"),
+    ("data.tasks=0", "data.tasks"),
+    ("data.workers=0", "data.workers"),
+    ("data.slurm.cpus_per_task=0", "data.slurm.cpus_per_task"),
+    ("data.slurm.mem_per_cpu_gb=0", "data.slurm.mem_per_cpu_gb"),
+    ("data.verify_on_start=sometimes", "data.verify_on_start"),
+    ("data.allow_repeat=maybe", "data.allow_repeat"),
+    ("tracking.milestones=[4.0,-1]", "tracking.milestones"),
+    ("tracking.experiment=../elsewhere", "tracking.experiment"),
+    ("checkpoint.every_steps=0", "checkpoint.every_steps"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+]
+
+
+@pytest.mark.parametrize(("override", "key"), BAD, ids=[o for o, _ in BAD])
+def test_out_of_range_value_is_refused_naming_its_key(override, key):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, [override])
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{TINY}: {key}:"), message
+
+
+def test_every_numeric_key_has_a_range():
+    """A new numeric key without a RANGES entry fails here: the table is the one place ranges live."""
+    cfg = config.load(TINY)
+    numeric = {
+        k for k, v in config.flatten(cfg.to_dict()).items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    numeric |= {"train.peak_flops", "tracking.milestones"}  # None / a list in this preset
+    ranged = {k.removesuffix("[]") for k in config.RANGES}
+    assert numeric - ranged == set()
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.val_every=0", "train.val_every"),  # ZeroDivisionError after the first step, before
+        ("checkpoint.every_steps=0", "checkpoint.every_steps"),
+        ("train.lr=-1", "train.lr"),
+        ("run.scale=../../x", "run.scale"),
+    ],
+)
+def test_cli_exits_2_with_one_line_before_anything_runs(override, key, tmp_path):
+    # `prism plan` and `prism train` load the config the same way; plan answers without torch.
+    for verb in ("plan", "train"):
+        out = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", verb, str(TINY), override, f"run.output_dir={tmp_path}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert out.returncode == 2, (verb, out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{key}:" in lines[0] and "Traceback" not in out.stderr, out.stderr
+    # no run folder, no checkpoint, no store (the console's logs/ folder may exist)
+    assert [p.name for p in tmp_path.iterdir() if p.name != "logs"] == []
