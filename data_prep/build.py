@@ -256,8 +256,12 @@ def prepare_inputs(cfg: Config) -> str:
     d = cfg.data
     if d.input_format == "embedded":
         if not Path(d.input).exists():
+            print(f"prism prepare: building the embedded corpus (text installed with Python) -> {d.input}", flush=True)
             build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
         if d.tokenizer.endswith(".json") and not Path(d.tokenizer).exists():  # a path, not a Hub name
+            print(
+                f"prism prepare: training a BPE tokenizer (vocab {cfg.model.vocab_size}) -> {d.tokenizer}", flush=True
+            )
             train_bpe_tokenizer(d.input, d.tokenizer, cfg.model.vocab_size, d.eos_token)
     check_input(cfg)
     return resolve_tokenizer(cfg)
@@ -296,7 +300,13 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
                 f"{out / MANIFEST} appears when it finishes"
             )
         return out / MANIFEST
-    executor.run()
+    from pipeline.console import library_output_to_log
+
+    with library_output_to_log() as log:
+        if not quiet:
+            where = f"; datatrove's own log: {log}" if log else ""
+            print(f"prism prepare: tokenising into shards with datatrove ({d.tasks} tasks){where}", flush=True)
+        executor.run()
     manifest_path = write_manifest(out)
     if not quiet:
         m = read_json(manifest_path)

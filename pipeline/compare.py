@@ -1,8 +1,12 @@
 """The arms comparison: read an experiment's training runs from MLflow and tabulate uniform vs Prism.
 
-Per (scale, arm): runs, final val loss mean ± std over seeds (sample std, ddof=1; "n/a" for one run),
-Δ = mean(Prism) − mean(uniform), tokens and steps to first reach each val-loss milestone (mean ± std over the
-runs that reached it, plus how many did not), mean tokens/s and the Prism/uniform ratio. Writes Markdown,
+Per (scale, arm, schedule): runs, final val loss mean ± std over seeds (sample std, ddof=1; "n/a" for one
+run); for each Prism schedule Δ = Prism − uniform with a 95 % CI and two-sided p-value (paired by seed when
+both ran the same seeds on the same data order, Welch otherwise; pipeline.statistics) and the seeds that
+effect and noise would need for 80 % power; tokens and steps to first reach each val-loss milestone (mean ±
+std over the runs that reached it, plus how many did not); tokens/s = tokens after the first step over the
+wall time from the first to the last logged step, with a note when runs overlapped in time on one host
+(they shared its cores, so their speeds are not comparable). Writes Markdown,
 CSV and two PNGs per scale (val loss vs tokens with ±1 std seed bands; Δ val loss vs tokens on a common
 token grid, the paper's Fig. 3a), and logs them as artifacts of a run tagged ``kind=comparison``.
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 from pipeline.tracking import store
@@ -36,8 +41,12 @@ class RunSeries:
     seed: str
     status: str
     val: list[tuple[int, float, float]]  # (step, tokens, val loss), one entry per step
-    tokens_per_sec: float  # mean of the logged tokens_per_sec values
+    tokens_per_sec: float  # tokens after the first logged step / wall time from it to the last logged step
     milestones: dict[float, tuple[float, float] | None] = field(default_factory=dict)  # x -> (tokens, step)
+    schedule: str = ""  # compact head schedule, e.g. 3x2,6x2,12x4
+    data_order: str = ""  # what fixes the batch sequence besides the seed: same value + same seed = pairable
+    host: str = ""
+    span: tuple[float, float] = (math.nan, math.nan)  # wall-clock seconds (first, last) of the logged steps
 
     @property
     def final_val_loss(self) -> float:
@@ -54,15 +63,33 @@ def latest_per_step(history: list[Any]) -> dict[int, float]:
     return {step: best[step][2] for step in sorted(best)}
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample std (ddof=1); std is nan for fewer than two values, both nan for none."""
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
-    if n < 2:
-        return mean, math.nan
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+mean_std = statistics.mean_std
+
+# Params that, with the seed, fix which batches a run sees in which order (pipeline.data).
+DATA_ORDER_PARAMS = ("data.dataset_dir", "train.batch_tokens", "train.micro_batch_size", "model.seq_len")
+
+
+def throughput(history: list[Any]) -> tuple[float, tuple[float, float]]:
+    """tokens_seen history -> (tokens/s after the first logged step, (first, last) timestamp in seconds).
+
+    The first step is left out (it carries graph building and warm-up); validation and checkpoint time
+    between logged steps stay in: this is what a run really takes per token. A gap between two logged
+    steps that is over 5x slower per token than the median gap is a stop and resume (or a stall), not
+    training: it counts neither its tokens nor its time."""
+    by_step: dict[int, Any] = {}
+    for m in history:
+        if m.step not in by_step or m.timestamp >= by_step[m.step].timestamp:
+            by_step[m.step] = m
+    points = [by_step[s] for s in sorted(by_step)]
+    gaps = [(b.value - a.value, (b.timestamp - a.timestamp) / 1000.0) for a, b in zip(points, points[1:])]
+    gaps = [(tokens, sec) for tokens, sec in gaps if tokens > 0 and sec > 0]
+    if not gaps:
+        return math.nan, (math.nan, math.nan)
+    per_token = sorted(sec / tokens for tokens, sec in gaps)
+    limit = 5 * per_token[len(per_token) // 2]
+    kept = [(tokens, sec) for tokens, sec in gaps if sec / tokens <= limit]
+    rate = sum(t for t, _ in kept) / sum(s for _, s in kept)
+    return rate, (points[0].timestamp / 1000.0, points[-1].timestamp / 1000.0)
 
 
 def _fmt(mean: float, std: float, digits: int = 4) -> str:
@@ -101,10 +128,11 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             continue
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
-        tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
+        tokens_history = client.get_metric_history(rid, "tokens_seen")
+        tokens = latest_per_step(tokens_history)
         batch_tokens = float(params.get("train.batch_tokens", "nan"))
         series = [(s, tokens.get(s, s * batch_tokens), v) for s, v in val.items()]
-        tps = list(latest_per_step(client.get_metric_history(rid, "tokens_per_sec")).values())
+        tps, span = throughput(tokens_history)
         milestones: dict[float, tuple[float, float] | None] = {}
         for x in _thresholds(params, list(run.data.metrics)):
             tok = latest_per_step(client.get_metric_history(rid, f"milestone/val_{x!r}_tokens"))
@@ -119,38 +147,80 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
                 tags.get("seed", "?"),
                 run.info.status,
                 series,
-                mean_std(tps)[0],
+                tps,
                 milestones,
+                schedule=tags.get("schedule", ""),
+                data_order="|".join(params.get(k, "?") for k in DATA_ORDER_PARAMS),
+                host=tags.get("hostname", ""),
+                span=span,
             )
         )
     if not runs:
         raise ConfigError(f"experiment {experiment!r} in {tracking_uri} has no training runs (tags.kind='train')")
-    return sorted(runs, key=lambda r: (r.scale, ARMS.index(r.arm), r.seed))
+    return sorted(runs, key=lambda r: (r.scale, ARMS.index(r.arm), r.schedule, r.seed))
+
+
+def arm_difference(uniform: list[RunSeries], prism: list[RunSeries]) -> statistics.Difference:
+    """Prism − uniform final val loss: paired over the seeds both ran when they shared the data order
+    (at least two such pairs), Welch's test over all runs otherwise."""
+    u = {(r.seed, r.data_order): r for r in uniform}
+    pairs = [(u[(r.seed, r.data_order)], r) for r in prism if (r.seed, r.data_order) in u]
+    if len(pairs) >= 2 and len(pairs) == len(uniform) == len(prism):
+        return statistics.paired_difference([a.final_val_loss for a, _ in pairs], [b.final_val_loss for _, b in pairs])
+    return statistics.welch_difference([r.final_val_loss for r in uniform], [r.final_val_loss for r in prism])
+
+
+def seeds_for(diff: statistics.Difference, uniform: list[RunSeries], prism: list[RunSeries]) -> int | None:
+    """Seeds per arm this effect and this noise need for a 5 %-level test with 80 % power."""
+    if not diff.defined:
+        return None
+    if diff.method == "paired":
+        return statistics.seeds_needed(diff.mean, diff.se * math.sqrt(diff.n), paired=True)
+    (_, su), (_, sp) = mean_std([r.final_val_loss for r in uniform]), mean_std([r.final_val_loss for r in prism])
+    return statistics.seeds_needed(diff.mean, math.sqrt((su * su + sp * sp) / 2), paired=False)
+
+
+def shared_machine(runs: list[RunSeries]) -> list[str]:
+    """Names of runs that overlapped in time with another run on the same host."""
+    busy: set[str] = set()
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            if a.host and a.host == b.host and a.span[0] < b.span[1] and b.span[0] < a.span[1]:
+                busy.update((a.name, b.name))
+    return sorted(busy)
 
 
 def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
-    """One row per (scale, arm) with every number of the report (nan where undefined)."""
+    """One row per (scale, arm, schedule) with every number of the report (nan where undefined)."""
     rows: list[dict[str, Any]] = []
     for scale in sorted({r.scale for r in runs}):
-        groups = {arm: [r for r in runs if r.scale == scale and r.arm == arm] for arm in ARMS}
-        finals = {arm: mean_std([r.final_val_loss for r in g]) for arm, g in groups.items()}
-        speed = {arm: mean_std([r.tokens_per_sec for r in g])[0] for arm, g in groups.items()}
-        for arm in ARMS:
-            group = groups[arm]
-            if not group:
-                continue
+        at_scale = [r for r in runs if r.scale == scale]
+        uniform = [r for r in at_scale if r.arm == "uniform"]
+        groups = [("uniform", uniform)] if uniform else []
+        for sched in sorted({r.schedule for r in at_scale if r.arm == "prism"}):
+            groups.append(("prism", [r for r in at_scale if r.arm == "prism" and r.schedule == sched]))
+        uniform_speed = mean_std([r.tokens_per_sec for r in uniform])[0]
+        for arm, group in groups:
+            final_mean, final_std = mean_std([r.final_val_loss for r in group])
+            speed = mean_std([r.tokens_per_sec for r in group])[0]
+            diff = arm_difference(uniform, group) if arm == "prism" and uniform else None
+            needed = seeds_for(diff, uniform, group) if diff else None
             row: dict[str, Any] = {
                 "scale": scale,
                 "arm": arm,
+                "schedule": group[0].schedule,
                 "runs": len(group),
                 "seeds": ",".join(r.seed for r in group),
-                "final_val_loss_mean": finals[arm][0],
-                "final_val_loss_std": finals[arm][1],
-                "delta_vs_uniform": finals[arm][0] - finals["uniform"][0] if arm == "prism" else math.nan,
-                "tokens_per_sec_mean": speed[arm],
-                "tokens_per_sec_ratio": speed[arm] / speed["uniform"]
-                if arm == "prism" and speed["uniform"]
-                else math.nan,
+                "final_val_loss_mean": final_mean,
+                "final_val_loss_std": final_std,
+                "delta_vs_uniform": diff.mean if diff else math.nan,
+                "delta_ci95_low": diff.low if diff else math.nan,
+                "delta_ci95_high": diff.high if diff else math.nan,
+                "delta_p_value": diff.p_value if diff else math.nan,
+                "delta_test": diff.method if diff else "",
+                "seeds_needed_80pct_power": "" if needed is None else needed,
+                "tokens_per_sec_mean": speed,
+                "tokens_per_sec_ratio": speed / uniform_speed if arm == "prism" and uniform_speed else math.nan,
             }
             thresholds = sorted({x for r in group for x in r.milestones}, reverse=True)
             for x in thresholds:
@@ -162,32 +232,67 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], experiment: str) -> str:
+def _delta_cell(r: dict[str, Any]) -> tuple[str, str]:
+    """'Δ [95 % CI]' and 'p (test)' cells of a Prism row; blank for uniform."""
+    if math.isnan(r["delta_vs_uniform"]):
+        return "", ""
+    if math.isnan(r["delta_ci95_low"]):
+        return f"{r['delta_vs_uniform']:+.4f} [needs ≥ 2 seeds]", ""
+    return (
+        f"{r['delta_vs_uniform']:+.4f} [{r['delta_ci95_low']:+.4f}, {r['delta_ci95_high']:+.4f}]",
+        f"{r['delta_p_value']:.3f} ({r['delta_test']})",
+    )
+
+
+def _needed_cell(r: dict[str, Any]) -> str:
+    n = r["seeds_needed_80pct_power"]
+    if n == "":
+        return ""
+    return f"> {n - 1}" if n > 1000 else str(n)
+
+
+def markdown(rows: list[dict[str, Any]], experiment: str, busy: list[str] | None = None) -> str:
     out = [
         f"## Arms comparison: {experiment}",
         "",
-        "| scale | arm | runs | final val loss (mean ± std) | Δ Prism − uniform | tokens/s | tokens/s ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| scale | arm | schedule | seeds | final val loss (mean ± std) | Δ Prism − uniform [95 % CI] | p (test) "
+        "| seeds for 80 % power | tokens/s | tokens/s ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        delta = "" if math.isnan(r["delta_vs_uniform"]) else f"{r['delta_vs_uniform']:+.4f}"
+        delta, p = _delta_cell(r)
         ratio = "" if math.isnan(r["tokens_per_sec_ratio"]) else f"{r['tokens_per_sec_ratio']:.3f}"
         out.append(
-            f"| {r['scale']} | {r['arm']} | {r['runs']} | {_fmt(r['final_val_loss_mean'], r['final_val_loss_std'])} "
-            f"| {delta} | {r['tokens_per_sec_mean']:.0f} | {ratio} |"
+            f"| {r['scale']} | {r['arm']} | {r['schedule']} | {r['runs']} "
+            f"| {_fmt(r['final_val_loss_mean'], r['final_val_loss_std'])} | {delta} | {p} | {_needed_cell(r)} "
+            f"| {r['tokens_per_sec_mean']:.0f} | {ratio} |"
+        )
+    out += [
+        "",
+        "Val loss in nats per token; std = sample std over seeds. Δ < 0: Prism better. The test is paired by "
+        "seed when both arms ran the same seeds on the same data order, Welch's otherwise; \"seeds for 80 % "
+        'power" = seeds per arm a two-sided 5 % test needs to detect the observed Δ given the observed noise.',
+        "tokens/s = tokens after the first step / wall time from the first to the last logged step "
+        "(validation and checkpoints included).",
+    ]
+    if busy:
+        out.append(
+            f"Note: runs {', '.join(busy)} overlapped in time on one machine and shared its cores: "
+            "their tokens/s (and the ratio) measure the contention, not the arms."
         )
     out += [
         "",
         "Tokens (and steps) to first reach each validation-loss milestone (mean ± std over the runs that reached it):",
         "",
-        "| scale | arm | val loss ≤ | tokens | steps | not reached |",
-        "|---|---|---|---|---|---|",
+        "| scale | arm | schedule | val loss ≤ | tokens | steps | not reached |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for key in [k for k in r if k.endswith("_not_reached")]:
             x = key[len("val_") : -len("_not_reached")]
             out.append(
-                f"| {r['scale']} | {r['arm']} | {x} | {_fmt(r[f'val_{x}_tokens_mean'], r[f'val_{x}_tokens_std'], 0)} "
+                f"| {r['scale']} | {r['arm']} | {r['schedule']} | {x} "
+                f"| {_fmt(r[f'val_{x}_tokens_mean'], r[f'val_{x}_tokens_std'], 0)} "
                 f"| {_fmt(r[f'val_{x}_steps_mean'], r[f'val_{x}_steps_std'], 1)} | {r[key]} of {r['runs']} |"
             )
     return "\n".join(out) + "\n"
@@ -224,46 +329,70 @@ def interpolate(run: RunSeries, grid: list[float]) -> list[float]:
     return list(np.interp(grid, tokens, losses))
 
 
+def compact_tokens(x: float, _pos: Any = None) -> str:
+    """Axis label for a token count: 0, 950, 200k, 1.5M, 2.9B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.0f}"
+
+
+def _series_label(arm: str, schedule: str) -> str:
+    return arm if arm == "uniform" else f"prism {schedule}"
+
+
 def plot(runs: list[RunSeries], out_dir: Path) -> list[Path]:
+    """Per scale: val loss vs tokens (mean line, ±1 std band over seeds, a marker at every measured point)
+    and Δ val loss vs tokens per Prism schedule, on the tokens where the uniform arm measured val loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter
 
     paths: list[Path] = []
-    colors = {"uniform": "tab:blue", "prism": "tab:orange"}
+    palette = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
     for scale in sorted({r.scale for r in runs}):
         scale_runs = [r for r in runs if r.scale == scale and r.val]
         grid = token_grid(scale_runs) if scale_runs else []
         if not grid:
             continue
-        means = {}
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for arm in ARMS:
-            group = [r for r in scale_runs if r.arm == arm]
-            if not group:
-                continue
+        keys = sorted({(r.arm, r.schedule) for r in scale_runs}, key=lambda k: (ARMS.index(k[0]), k[1]))
+        colors = {k: "tab:blue" if k[0] == "uniform" else palette[i % len(palette)] for i, k in enumerate(keys)}
+        groups = {k: [r for r in scale_runs if (r.arm, r.schedule) == k] for k in keys}
+        fig, ax = plt.subplots(figsize=(6.8, 4.4))
+        for key, group in groups.items():
             curves = np.array([interpolate(r, grid) for r in group])
             mean = curves.mean(axis=0)
-            means[arm] = mean
-            ax.plot(grid, mean, color=colors[arm], label=f"{arm} (n={len(group)})")
+            ax.plot(grid, mean, color=colors[key], label=f"{_series_label(*key)} (n={len(group)})")
+            for r in group:  # the measured points themselves: the line between them is interpolation
+                ax.plot([t for _, t, _ in r.val], [v for _, _, v in r.val], "o", ms=3, color=colors[key], alpha=0.6)
             if len(group) > 1:
                 std = curves.std(axis=0, ddof=1)
-                ax.fill_between(grid, mean - std, mean + std, color=colors[arm], alpha=0.25)
-        ax.set(
-            xlabel="tokens",
-            ylabel="validation loss",
-            title=f"{scale}: val loss vs tokens (mean ± std over seeds)",
-        )
+                ax.fill_between(grid, mean - std, mean + std, color=colors[key], alpha=0.2, lw=0)
+        ax.set(xlabel="training tokens", ylabel="validation loss (nats/token)")
+        ax.set_title(f"{scale}: validation loss vs tokens\nline: mean over seeds, band: ±1 std, dots: measured")
+        ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
         ax.legend()
         ax.grid(alpha=0.3)
         paths.append(_save(fig, out_dir / f"val_loss_vs_tokens_{scale}.png"))
-        if len(means) == 2:
-            fig, ax = plt.subplots(figsize=(6.4, 4.2))
-            ax.plot(grid, means["prism"] - means["uniform"], color="tab:green")
+        uniform = groups.get(("uniform", next((k[1] for k in keys if k[0] == "uniform"), "")))
+        prism_keys = [k for k in keys if k[0] == "prism"]
+        if uniform and prism_keys:
+            lo, hi = grid[0], grid[-1]
+            points = sorted({t for r in uniform for _, t, _ in r.val if lo <= t <= hi}) or grid
+            base = np.array([interpolate(r, points) for r in uniform]).mean(axis=0)
+            fig, ax = plt.subplots(figsize=(6.8, 4.4))
+            for key in prism_keys:
+                curves = np.array([interpolate(r, points) for r in groups[key]])
+                delta = curves.mean(axis=0) - base
+                ax.plot(points, delta, "o-", ms=4, color=colors[key], label=f"{_series_label(*key)}")
             ax.axhline(0.0, color="black", lw=0.8)
-            ax.set(xlabel="tokens", ylabel="Δ val loss (Prism − uniform)", title=f"{scale}: Δ val loss vs tokens")
+            ax.set(xlabel="training tokens", ylabel="Δ val loss, Prism − uniform (nats/token)")
+            ax.set_title(f"{scale}: Δ validation loss vs tokens (mean over seeds)\nbelow 0 = Prism better")
+            ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
+            ax.legend()
             ax.grid(alpha=0.3)
             paths.append(_save(fig, out_dir / f"delta_val_loss_vs_tokens_{scale}.png"))
     return paths
@@ -306,11 +435,16 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
 
 def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
     """Load the experiment's training runs, write the report into ``out_dir`` and (optionally) log it."""
-    runs = load_runs(experiment, tracking_uri)
+    every = load_runs(experiment, tracking_uri)
+    # A run still going (or stopped) has no final val loss yet: it would pull the means toward early losses.
+    runs = [r for r in every if r.status == "FINISHED"] or every
+    unfinished = sorted(r.name for r in every if r not in runs)
     rows = summarize(runs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, experiment)
+    table = markdown(rows, experiment, shared_machine(runs))
+    if unfinished:
+        table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
     paths = [_write(out / "comparison.md", table), _write(out / "comparison.csv", to_csv(rows))]
     paths += plot(runs, out)
     run_id = log_comparison(experiment, tracking_uri, paths, runs) if log_to_mlflow else None

@@ -377,7 +377,22 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """A YAML preset (its `base:` chain merged under it), then the dotted overrides, validated."""
-    return from_dict(apply_overrides(read_yaml(path), overrides or []), str(path))
+    return from_dict(expand_output_dir(apply_overrides(read_yaml(path), overrides or [])), str(path))
+
+
+# Path keys that may start with {output_dir}: they follow run.output_dir (`prism demo run.output_dir=/tmp/x`
+# puts the data there too), expanded once on load, after the overrides.
+OUTPUT_DIR_KEYS = (("data", "dataset_dir"), ("data", "input"), ("data", "tokenizer"), ("checkpoint", "dir"))
+
+
+def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
+    out_dir = str((data.get("run") or {}).get("output_dir") or RunConfig.output_dir)
+    data = copy.deepcopy(data)
+    for section, key in OUTPUT_DIR_KEYS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and "{output_dir}" in value:
+            data[section][key] = value.replace("{output_dir}", out_dir)
+    return data
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:

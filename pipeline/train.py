@@ -186,8 +186,12 @@ def log_step(
     result: StepResult,
     val_loss: float | None,
     device: str,
+    progress: tuple[int, float, float] | None = None,
 ) -> None:
-    """Metrics to the tracker and, on rank 0, one console line."""
+    """Metrics to the tracker and, on rank 0, one console line.
+
+    ``progress`` = (steps since the last line, their wall seconds, seconds since this process started
+    training): the line's tok/s averages those steps (validation included) and ETA extrapolates them."""
     import torch.distributed as dist
 
     from pipeline.model import flops_per_token
@@ -210,10 +214,19 @@ def log_step(
         metrics["mfu"] = mfu
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
+        timing = ""
+        if progress is not None and progress[0] > 0 and progress[1] > 0:
+            from pipeline.console import duration
+
+            steps, seconds, elapsed = progress
+            tok_s = steps * cfg.train.batch_tokens / seconds
+            eta = (total_steps - state.step) * seconds / steps
+            timing = f" | {duration(elapsed)} elapsed, ETA {duration(eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
             + (f" | val {val_loss:.4f}" if val_loss is not None else "")
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
+            + timing
             + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + f" | mem {metrics['memory_gb']:.2f} GB",
             flush=True,
@@ -292,6 +305,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
     exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
     recent: deque[float] = deque(maxlen=20)
+    started = last_line = time.perf_counter()  # console progress: wall time of the steps since the last line
+    last_line_step = state.step
     while state.step < total_steps:
         lr = lr_at(state.step, total_steps, warmup, t.lr, t.min_lr)
         result = train_step(engine, optimizer, loader, lr, grad_accum, device)
@@ -309,7 +324,10 @@ def train(cfg: Config) -> dict[str, Any]:
         if step % t.val_every == 0 or step == total_steps:
             val_loss = last_val = evaluate(engine, val_rows, micro, device)
         if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
-            log_step(cfg, tracker, state, total_steps, result, val_loss, device)
+            now = time.perf_counter()
+            progress = (state.step - last_line_step, now - last_line, now - started)
+            log_step(cfg, tracker, state, total_steps, result, val_loss, device, progress)
+            last_line, last_line_step = now, state.step
 
         stop = stopper.agreed(device)
         if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:

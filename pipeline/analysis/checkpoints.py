@@ -48,7 +48,7 @@ def measure_checkpoint(
         report.plot_distance(
             {name: rows},
             out / f"attention-distance-{name}.png",
-            f"attention distance, {split} ({sequences} sequences, T={cfg.model.seq_len})",
+            f"Attention distance per layer: {name}\n{split} split, {sequences} sequences of {cfg.model.seq_len} tokens",
         )
     )
     return {"cfg": cfg, "info": info, "rows": rows, "name": name, "files": files, "meta": meta}
@@ -81,14 +81,15 @@ def delta_between_arms(main: list[dict[str, Any]], other: list[dict[str, Any]], 
             rows,
             prism_heads,
             stem.with_suffix(".png"),
-            f"$\\Delta D_l$: {len(groups['prism'])} Prism vs {len(groups['uniform'])} uniform",
+            f"Attention distance, Prism − uniform, per layer "
+            f"({len(groups['prism'])} Prism vs {len(groups['uniform'])} uniform checkpoints)",
         )
     )
     files.append(
         report.plot_distance(
             {r["name"]: r["rows"] for r in main + other},
             out / "attention-distance-all.png",
-            "attention distance per layer",
+            "Attention distance per layer, every checkpoint",
         )
     )
     return {"rows": rows, "files": files, "meta": meta}

@@ -52,9 +52,9 @@ def plot_distance(series: dict[str, list[dict[str, Any]]], path: Path, title: st
         )
     ax.set_xlabel("layer")
     ax.set_ylabel("attention distance $D_l$ (tokens)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, title="error bars: ±1 std over sequences", title_fontsize=8)
     try:
         return _save(fig, path)
     finally:
@@ -98,8 +98,9 @@ def plot_delta(rows: list[dict[str, Any]], prism_heads: list[int] | tuple[int, .
     ax.axhline(0.0, color="black", lw=0.8)
     ax.set_xticks(layers)
     ax.set_xlabel("layer (shaded: Prism's progressive phase)")
-    ax.set_ylabel(r"$\Delta D_l$ = Prism − uniform (tokens)")
-    ax.set_title(title, pad=14)
+    ax.set_ylabel("$\\Delta D_l$ = Prism − uniform (tokens)\nbelow 0 = Prism attends more locally", fontsize=9)
+    ax.set_title(title, pad=14, fontsize=10)
+    ax.text(0.99, 0.02, "error bars: ±1 standard error", transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     try:
         return _save(fig, path)

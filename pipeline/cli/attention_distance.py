@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--split", default="val", help="dataset split the sequences come from (default val)")
     p.add_argument("--sequences", type=int, default=16, help="N sequences averaged per checkpoint")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
     p.add_argument("--out", help="output folder (default <run_dir>/analysis of the first checkpoint)")
     p.set_defaults(func=run)
 

@@ -6,9 +6,14 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, <= 15 min on 2 cores)")
+    p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, ~10 min on 2 free cores)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x")
-    p.add_argument("--preset-dir", default="configs", help="folder holding tiny_uniform.yaml / tiny_prism.yaml")
+    p.add_argument(
+        "--preset-dir",
+        default=None,
+        help="folder holding tiny_uniform.yaml / tiny_prism.yaml; none: ./configs if it has them, else the "
+        "configs/ folder next to the installed pipeline package",
+    )
     p.set_defaults(func=run)
 
 

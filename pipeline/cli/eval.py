@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", default="hellaswag,piqa,winogrande,arc_easy", help="comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
     p.add_argument(
         "--source",
         choices=("offline", "hub"),

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
     verbs = p.add_subparsers(dest="model_verb", required=True, metavar="ACTION")
     r = verbs.add_parser("report", help="per-layer heads, d_h, params and FLOPs; checks against the uniform twin")
-    r.add_argument("config")
+    r.add_argument("config", help="YAML preset, e.g. configs/prism_124m.yaml")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.heads=3x2,6x2,8x2,12x6")
 
 

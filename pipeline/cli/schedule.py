@@ -19,10 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("overrides", nargs="*", help="dotted overrides of CONFIG, e.g. parallel.tp=2")
     _shape_args(v)
     v.add_argument("--heads", help="per-layer heads: '3,3,6,6,...', '3x2,6x2,...' or a preset name")
-    v.add_argument("--allow-guideline-violations", action="store_true")
+    v.add_argument(
+        "--allow-guideline-violations", action="store_true", help="report stage-length and baseline rules as warnings"
+    )
 
     s = verbs.add_parser("show", help="per-layer heads, d_h, FLOPs, params and the neutrality checks")
-    s.add_argument("config")
+    s.add_argument("config", help="YAML preset, e.g. configs/tiny_prism.yaml")
     s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
 
     e = verbs.add_parser("enumerate", help="every schedule that satisfies all rules")
@@ -35,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--h-base", type=int)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--d-model", type=int, help="model width (with --layers and --h-base instead of a CONFIG)")
+    p.add_argument("--layers", type=int, help="number of layers L")
+    p.add_argument("--h-base", type=int, help="the baseline head count (the last layer's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: every head count must be a multiple")
 
 
 def _need_shape(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="YAML preset, e.g. configs/tiny_prism.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tp=2")
+    p.epilog = "example: prism train configs/tiny_prism.yaml run.seed=2 train.train_tokens=81920"
     p.set_defaults(func=run)
 
 
@@ -27,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.train import train
 
     cfg = config.load(args.config, args.overrides)
+    print(f"prism train: {cfg.run_name}: loading torch/megatron/deepspeed and building the model ...", flush=True)
     setup_threads()
     try:
         summary = train(cfg)

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
-from pipeline.compare import latest_per_step
+from pipeline.compare import latest_per_step, throughput
 
 
 def expected_numbers(client, experiment):
@@ -19,11 +19,9 @@ def expected_numbers(client, experiment):
     for run in client.search_runs([exp.experiment_id], filter_string="tags.kind = 'train'"):
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
-        tps = latest_per_step(client.get_metric_history(rid, "tokens_per_sec"))
         tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
-        by_arm[run.data.tags["arm"]].append(
-            {"final": val[max(val)], "tps": statistics.mean(tps.values()), "val": val, "tokens": tokens}
-        )
+        tps = throughput(client.get_metric_history(rid, "tokens_seen"))[0]
+        by_arm[run.data.tags["arm"]].append({"final": val[max(val)], "tps": tps, "val": val, "tokens": tokens})
     return by_arm
 
 
@@ -47,7 +45,8 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
     ]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "| tiny | uniform | 2 |" in printed and "| tiny | prism | 2 |" in printed
+    assert "| tiny | uniform | 12x8 | 2 |" in printed and "| tiny | prism | 3x2,6x2,12x4 | 2 |" in printed
+    assert "(paired)" in printed  # both arms ran seeds 1 and 2 on one dataset: paired by seed
 
     client = MlflowClient(tracked_runs.uri)
     want = expected_numbers(client, tracked_runs.experiment)
@@ -69,7 +68,7 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
                 assert row[f"val_{x!r}_tokens_mean"] == ""
     delta = statistics.mean(r["final"] for r in want["prism"]) - statistics.mean(r["final"] for r in want["uniform"])
     assert float(rows["prism"]["delta_vs_uniform"]) == pytest.approx(delta)
-    assert f"{delta:+.4f}" in printed
+    assert f"{delta:+.4f} [" in printed  # followed by its 95 % CI
     ratio = statistics.mean(r["tps"] for r in want["prism"]) / statistics.mean(r["tps"] for r in want["uniform"])
     assert float(rows["prism"]["tokens_per_sec_ratio"]) == pytest.approx(ratio)
 

@@ -44,7 +44,8 @@ def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(ti
     assert (dataset_dir / "manifest.json").exists() and "up to date" not in first  # prepared by the demo
     for arm in ("uniform", "prism"):
         assert f"[{2 if arm == 'uniform' else 3}/4] train {arm}-tiny-s1234 (schedule" in first
-        assert f"| tiny | {arm} | 1 |" in first  # a row of the comparison table, one run per arm
+        sched = "12x8" if arm == "uniform" else "3x2,6x2,12x4"
+        assert f"| tiny | {arm} | {sched} | 1 |" in first  # a row of the comparison table, one run per arm
         assert re.search(rf"final val loss\s+{arm}: \d+\.\d+", first)
 
     client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
@@ -57,6 +58,6 @@ def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(ti
     for run in runs:
         assert f"train {run.info.run_name}: already finished (MLflow run {run.info.run_id}); skipping" in second
     assert "(schedule" not in second  # no arm trained again
-    assert "| tiny | uniform | 1 |" in second and "| tiny | prism | 1 |" in second
+    assert "| tiny | uniform | 12x8 | 1 |" in second and "| tiny | prism | 3x2,6x2,12x4 | 1 |" in second
     again = client.search_runs([experiment.experiment_id], filter_string="tags.kind = 'train'")
     assert sorted(r.info.run_id for r in again) == sorted(r.info.run_id for r in runs)

@@ -71,7 +71,7 @@ def sweep_dry_run(spec: Path) -> subprocess.CompletedProcess:
 def test_sweep_dry_run_counts_the_grid(tmp_path):
     ramps = (h for h in schedule.enumerate_valid(768, 12, 12) if len(set(h)) > 1)  # non-constant 124m schedules
     heads_124m = [schedule.compact(h) for h in itertools.islice(ramps, 3)]
-    valid_tiny = list(schedule.enumerate_valid(256, 8, 4))  # configs/tiny_prism.yaml: d 256, 8 layers, h_base 4
+    valid_tiny = list(schedule.enumerate_valid(192, 8, 12))  # configs/tiny_prism.yaml: d 192, 8 layers, h_base 12
     cases = [
         ({"arms": ["prism"], "scales": ["124m"], "seeds": [1, 2, 3], "schedules": heads_124m}, 1 * 1 * 3 * 3),
         ({"arms": ["prism", "uniform"], "scales": ["124m", "354m"], "seeds": [1, 2]}, 2 * 2 * 2 * 1),

@@ -68,10 +68,15 @@ def test_paper_presets_carry_the_paper_settings(scale):
     assert arms["prism"].experiment == arms["uniform"].experiment == f"prism-{scale}"  # one experiment
 
 
-def test_tiny_presets_keep_their_shape():
+def test_tiny_presets_keep_the_papers_ratios():
     p = config.load("configs/tiny_prism.yaml")
-    assert (p.model.d_model, p.model.num_layers, p.model.seq_len) == (256, 8, 256)
-    assert sorted({p.model.d_model // h for h in p.heads_per_layer}, reverse=True) == [256, 128, 64]
+    m, heads = p.model, p.heads_per_layer
+    assert (m.d_model, m.num_layers, m.seq_len, m.h_base) == (192, 8, 256, 12)  # 124M's h_base, 1/4 width
+    assert sorted({m.d_model // h for h in heads}, reverse=True) == [64, 32, 16]
+    assert m.d_model // heads[0] == 4 * (m.d_model // m.h_base)  # first-stage d_h = 4x the baseline's
+    assert heads[0] >= 3  # several heads from the first layer (the paper never trains h_1 = 1)
+    assert all(e - s >= 2 for _, s, e in schedule.stages(heads))  # no single-layer stage
+    assert sum(h == m.h_base for h in heads) >= m.num_layers / 2
 
 
 @pytest.mark.parametrize("scale", ["tiny", *PAPER])
@@ -90,11 +95,11 @@ def test_arm_overlays_resolve_to_twins(scale):
 
 def test_an_overlay_that_changes_the_model_is_not_a_twin(tmp_path):
     (tmp_path / "wide.yaml").write_text(
-        "base: " + str(Path("configs/tiny_prism.yaml").resolve()) + "\nmodel: {d_model: 128, ffn_hidden_size: 344}\n"
+        "base: " + str(Path("configs/tiny_prism.yaml").resolve()) + "\nmodel: {d_model: 384, ffn_hidden_size: 1024}\n"
     )
     wide, prism = config.load(tmp_path / "wide.yaml"), config.load("configs/tiny_prism.yaml")
     assert differing(wide, prism) == {"model.d_model", "model.ffn_hidden_size"}
-    assert wide.model.h_base == 4 and wide.layer_plan[0].head_dim == 128  # merged, not replaced
+    assert wide.model.h_base == 12 and wide.layer_plan[0].head_dim == 128  # merged, not replaced
 
 
 # --- base: overlays -----------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ def test_loaded_config_is_immutable_and_the_schedule_is_parsed_once(monkeypatch)
     assert cfg.tracking.milestones == (7.0, 6.5, 6.0, 5.5, 5.0)  # a tuple: no append either
     # a stored value, not a property that parses again on every read
     monkeypatch.setattr(schedule, "parse", lambda *a: pytest.fail("schedule parsed after load"))
-    assert cfg.heads_per_layer == (1, 1, 2, 2, 4, 4, 4, 4) and len(cfg.layer_plan) == 8
+    assert cfg.heads_per_layer == (3, 3, 6, 6, 12, 12, 12, 12) and len(cfg.layer_plan) == 8
     assert "heads_per_layer" not in cfg.to_dict() and "layer_plan" not in cfg.dump()
 
 
@@ -155,10 +160,10 @@ def test_loaded_config_is_immutable_and_the_schedule_is_parsed_once(monkeypatch)
     "overrides, replicated",
     [
         ([], []),
-        (["parallel.tp=2", "parallel.replicate_indivisible_layers=true"], [1, 2]),  # the 1-head layers
-        (["parallel.tp=4", "parallel.replicate_indivisible_layers=true"], [1, 2, 3, 4]),
-        (["parallel.tp=2", "schedule.heads=2x2,4x6", "parallel.replicate_indivisible_layers=true"], []),
-        (["parallel.tp=2", "schedule.heads=2x2,4x6"], []),
+        (["parallel.tp=2", "parallel.replicate_indivisible_layers=true"], [1, 2]),  # the 3-head layers
+        (["parallel.tp=4", "parallel.replicate_indivisible_layers=true"], [1, 2, 3, 4]),  # 3 and 6 heads
+        (["parallel.tp=2", "schedule.heads=6x2,12x6", "parallel.replicate_indivisible_layers=true"], []),
+        (["parallel.tp=2", "schedule.heads=6x2,12x6"], []),
     ],
 )
 def test_layer_plan_decides_replication_once(overrides, replicated):
@@ -192,10 +197,10 @@ def test_layer_plan_decides_replication_once(overrides, replicated):
         ),
         (
             lambda d: d["parallel"].update(tp=2),
-            "schedule.heads: schedule 1x2,2x2,4x4: rule 'tensor-parallel'",
+            "schedule.heads: schedule 3x2,6x2,12x4: rule 'tensor-parallel'",
         ),
         (
-            lambda d: d["schedule"].update(heads="1x2,2x2,4x3"),
+            lambda d: d["schedule"].update(heads="3x2,6x2,12x3"),
             "schedule.heads: lists 7 layers but model.num_layers=8",
         ),
         (lambda d: d["run"].update(arm="uniform"), "run.arm: 'uniform' needs a constant schedule"),
@@ -238,9 +243,9 @@ def test_dp_divisibility_is_checked_for_the_real_world_size():
 def test_overrides_and_hash():
     base = config.load("configs/tiny_prism.yaml")
     over = config.load(
-        "configs/tiny_prism.yaml", ["train.lr=3e-4", "schedule.heads=2x4,4x4", "tracking.milestones=[5.0]"]
+        "configs/tiny_prism.yaml", ["train.lr=3e-4", "schedule.heads=6x4,12x4", "tracking.milestones=[5.0]"]
     )
-    assert over.train.lr == 3e-4 and over.heads_per_layer == (2,) * 4 + (4,) * 4 and over.tracking.milestones == (5.0,)
+    assert over.train.lr == 3e-4 and over.heads_per_layer == (6,) * 4 + (12,) * 4 and over.tracking.milestones == (5.0,)
     assert base.hash() == config.load("configs/tiny_prism.yaml").hash()
     assert base.hash() != over.hash()
     with pytest.raises(ConfigError, match="write it as section.key=value"):
@@ -260,7 +265,7 @@ def test_dump_round_trips_verbatim(tmp_path):
 def test_changed_keys_names_model_and_data_keys_only():
     a = config.load("configs/tiny_prism.yaml").to_dict()
     b = config.load(
-        "configs/tiny_prism.yaml", ["model.ffn_hidden_size=512", "train.log_every=1", "data.tasks=4"]
+        "configs/tiny_prism.yaml", ["model.ffn_hidden_size=528", "train.log_every=1", "data.tasks=4"]
     ).to_dict()
     assert config.changed_keys(a, b) == ["model.ffn_hidden_size"]
 

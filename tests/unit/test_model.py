@@ -221,7 +221,7 @@ def test_schedule_breaking_tp_rule_is_refused_before_weights():
 def test_tp_size_must_match_the_initialised_groups(tiny_model):
     from pipeline.model import build_model
 
-    cfg = load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")  # valid at TP=2, but the world is TP=1
+    cfg = load(TINY, "schedule.heads=6x2,12x6", "parallel.tp=2")  # valid at TP=2, but the world is TP=1
     with pytest.raises(ConfigError, match=re.escape("init_model_parallel(2")):
         build_model(cfg)
 
@@ -238,11 +238,11 @@ def test_replication_is_opt_in_and_its_extra_flops_are_counted(tiny_model, caplo
     from pipeline.model.gpt import replicated_layers, replication_overhead, transformer_config
 
     cfg = load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true")
-    assert replicated_layers(cfg) == [1, 2]  # the two 1-head layers
+    assert replicated_layers(cfg) == [1, 2]  # the two 3-head layers
     m = cfg.model
     per_layer = 3 * (2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len)  # projections + attention, fwd+bwd
     assert replication_overhead(cfg) == 2 * per_layer // 2  # each rank does the other rank's half too
-    assert replication_overhead(load(TINY, "schedule.heads=2x2,4x6", "parallel.tp=2")) == 0
+    assert replication_overhead(load(TINY, "schedule.heads=6x2,12x6", "parallel.tp=2")) == 0
     with pytest.raises(ConfigError, match="model.dropout"):  # replicas would draw different dropout masks
         load(TINY, "parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1")
     # the replicated layers' per-layer megatron config asks for no TP split; the others keep TP=2

@@ -1,0 +1,138 @@
+"""`prism study CONFIG... --seeds N`: every config (arm, schedule) x every seed, trained one after another on
+this machine, then the comparison with statistics over seeds (pipeline.compare).
+
+Each run is its own `prism train` subprocess (a clean process group and the real DeepSpeed path, like the
+demo). Runs go seed by seed, arms interleaved, so a study stopped early still holds complete pairs and a busy
+spell of the machine hits both arms alike. A run whose MLflow run already FINISHED with the same config is
+skipped, an interrupted one resumes from its checkpoint: rerunning the command finishes the study.
+Same seed = same data order (pipeline.data) and same initial RNG state, so compare pairs the arms by seed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'3' -> [1, 2, 3]; '5,6,7' -> [5, 6, 7]; '10-12' -> [10, 11, 12]."""
+    try:
+        if "," in text:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+        elif "-" in text.strip()[1:]:
+            lo, hi = text.split("-", 1)
+            seeds = list(range(int(lo), int(hi) + 1))
+        else:
+            seeds = list(range(1, int(text) + 1))
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: give a count (3), a list (1,2,3) or a range (1-3)") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds {text!r}: needs at least one seed, no repeats, none negative")
+    return seeds
+
+
+def plan(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tuple[int, str, Any]]:
+    """(seed, preset, Config) per run, seed-major; every run must log to one experiment and store."""
+    from pipeline import config
+    from pipeline.tracking.store import run_uri
+
+    runs = [(seed, path, config.load(path, [*overrides, f"run.seed={seed}"])) for seed in seeds for path in configs]
+    places = {(c.experiment, run_uri(c)) for _, _, c in runs}
+    if len(places) > 1:
+        listed = "; ".join(f"{e} in {u}" for e, u in sorted(places))
+        raise ConfigError(f"the configs log to different experiments or stores ({listed}); give them one scale")
+    names = [c.run_name + ("" if c.run.arm == "uniform" else f"[{c.schedule.heads}]") for _, _, c in runs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two configs make the same run ({', '.join(dup)}); list each config once")
+    return runs
+
+
+def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None, jobs: int = 1) -> int:
+    """Train every (seed, config) not yet finished, then compare; `prism train`s inherit the console setup.
+
+    ``jobs`` > 1 runs that many at once (each one's console in <output_dir>/logs/<run name>.log): faster on a
+    machine with spare cores, and the comparison then notes that their tokens/s shared the machine."""
+    from pipeline.compare import compare_arms
+    from pipeline.demo import finished_run
+    from pipeline.tracking.store import run_uri
+
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs} must be >= 1")
+    t0 = time.monotonic()
+    runs = plan(configs, seeds, overrides)
+    cfg = runs[0][2]
+    steps = cfg.steps(1)["total"]
+    how = "one after another" if jobs == 1 else f"{jobs} at a time"
+    print(
+        f"prism study: {len(configs)} configs x {len(seeds)} seeds = {len(runs)} runs of {steps} steps x "
+        f"{cfg.train.batch_tokens} tokens, {how} -> experiment {cfg.experiment}",
+        flush=True,
+    )
+    from data_prep.build import prepare
+
+    for dataset_dir in sorted({c.data.dataset_dir for _, _, c in runs}):  # builds, resumes or reuses it
+        prepare(next(c for _, _, c in runs if c.data.dataset_dir == dataset_dir))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:  # share the cores instead of each run taking all of them
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    running: list[tuple[str, list[str], subprocess.Popen, Any]] = []
+    failed: list[str] = []
+
+    def reap(block: bool) -> None:
+        for item in list(running):
+            name, cmd, proc, log = item
+            if block or proc.poll() is not None:
+                rc = proc.wait()
+                if log is not None:
+                    log.close()
+                running.remove(item)
+                print(f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{_elapsed(t0)} so far]", flush=True)
+                if rc != 0:
+                    failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
+
+    for i, (seed, path, c) in enumerate(runs, start=1):
+        done = finished_run(c)
+        head = f"[{i}/{len(runs)}] {c.run_name} (schedule {c.schedule.heads})"
+        if done:
+            print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
+            continue
+        while len(running) >= jobs:
+            reap(block=False)
+            time.sleep(1.0)
+        cmd = [sys.executable, "-m", "pipeline.cli", "train", path, *overrides, f"run.seed={seed}"]
+        if jobs == 1:
+            print(f"{head} -> {c.run_dir}  [{_elapsed(t0)} so far]", flush=True)
+            running.append((c.run_name, cmd, subprocess.Popen(cmd, env=env), None))
+            reap(block=True)
+        else:
+            log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = log_path.open("a")
+            print(f"{head} -> {c.run_dir}, console in {log_path}  [{_elapsed(t0)} so far]", flush=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((c.run_name, cmd, proc, log))
+        if failed:
+            break
+    reap(block=True)
+    if failed:
+        print(f"prism study: {'; '.join(failed)}; rerun the study to resume", flush=True)
+        return 1
+    uri = run_uri(cfg)
+    result = compare_arms(cfg.experiment, uri, out or Path(cfg.run.output_dir) / "compare" / cfg.experiment)
+    print(result["table"])
+    for p in result["paths"]:
+        print(f"wrote {p}")
+    print(f"prism study: done in {_elapsed(t0)}", flush=True)
+    return 0
+
+
+def _elapsed(t0: float) -> str:
+    s = int(time.monotonic() - t0)
+    return f"{s // 60} min {s % 60:02d} s"

@@ -1,0 +1,91 @@
+"""The CLI's parsing contract: overrides after flags, --version, help with defaults and an example, the
+verb's own usage on errors; plus the study's seed list, demo presets from any folder, {output_dir} paths."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pipeline import config
+from pipeline.cli import _all_parsers, build_parser, main, parse_args
+from pipeline.config import ConfigError
+from pipeline.study import parse_seeds, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv):
+    return parse_args(build_parser(), list(argv))
+
+
+def test_dotted_overrides_are_accepted_after_flags():
+    args = parse("prepare", "configs/tiny_prism.yaml", "--overwrite", "data.tasks=2", "data.workers=1")
+    assert args.config == "configs/tiny_prism.yaml" and args.overwrite
+    assert args.overrides == ["data.tasks=2", "data.workers=1"]
+    args = parse("study", "a.yaml", "b.yaml", "--seeds", "2", "run.output_dir=x")
+    assert args.items == ["a.yaml", "b.yaml", "run.output_dir=x"] and args.seeds == "2"
+    args = parse("eval", "ckpt", "--limit", "5", "data.tokenizer=t.json")
+    assert args.overrides == ["data.tokenizer=t.json"] and args.limit == 5
+
+
+def test_a_stray_argument_fails_with_the_verbs_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("prepare", "configs/tiny_prism.yaml", "--overwrite", "--bogus")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prism prepare") and "unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        parse("compare", "--experiment", "x", "train.lr=1")  # compare takes no overrides
+    assert "usage: prism compare" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("prism ")
+
+
+def test_every_verb_help_states_defaults_and_ends_with_an_example():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in _all_parsers(sub):
+        if any(isinstance(a, argparse._SubParsersAction) for a in p._actions):
+            continue  # a group (schedule, model, tracking): its actions carry the examples
+        text = p.format_help()
+        assert text.rstrip().split("\n\n")[-1].startswith("example: prism "), name  # the last paragraph
+        for action in p._actions:
+            if action.option_strings and action.default is not argparse.SUPPRESS:
+                assert action.help, f"prism {name} {action.option_strings[0]} has no help"
+                assert "default" in p._get_formatter()._get_help_string(action), (name, action.option_strings)
+
+
+def test_study_seeds_and_plan():
+    assert parse_seeds("3") == [1, 2, 3] and parse_seeds("5,7") == [5, 7] and parse_seeds("2-4") == [2, 3, 4]
+    for bad in ("x", "0", "1,1"):
+        with pytest.raises(ConfigError):
+            parse_seeds(bad)
+    runs = plan([str(ROOT / "configs/tiny_uniform.yaml"), str(ROOT / "configs/tiny_prism.yaml")], [1, 2], [])
+    assert [(seed, c.run_name) for seed, _, c in runs] == [
+        (1, "uniform-tiny-s1"),
+        (1, "prism-tiny-s1"),
+        (2, "uniform-tiny-s2"),
+        (2, "prism-tiny-s2"),
+    ]
+    with pytest.raises(ConfigError, match="different experiments"):
+        plan([str(ROOT / "configs/tiny_prism.yaml"), str(ROOT / "configs/prism_124m.yaml")], [1], [])
+
+
+def test_data_paths_follow_run_output_dir():
+    cfg = config.load(ROOT / "configs/tiny_prism.yaml", ["run.output_dir=/tmp/elsewhere"])
+    assert cfg.data.dataset_dir == "/tmp/elsewhere/data/embedded-bpe8k-256"
+    assert cfg.data.tokenizer.startswith("/tmp/elsewhere/data/") and cfg.data.input.startswith("/tmp/elsewhere/")
+    assert config.load(ROOT / "configs/tiny_prism.yaml").data.dataset_dir == "runs/data/embedded-bpe8k-256"
+
+
+def test_demo_finds_its_presets_from_any_directory(tmp_path, monkeypatch):
+    from pipeline.demo import find_presets
+
+    monkeypatch.chdir(tmp_path)
+    assert find_presets() == ROOT / "configs"
+    assert main(["demo", "--preset-dir", str(tmp_path), "run.output_dir=" + str(tmp_path)]) == 2
