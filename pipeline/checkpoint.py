@@ -169,7 +169,7 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     client_state = {
         "tokens_seen": own["tokens_seen"],
         "run_id": own["run_id"],
-        "prism": {"step": own["step"], "ranks": ranks, "config_hash": cfg.hash()},
+        "prism": {"step": own["step"], "ranks": ranks, "config_hash": cfg.hash(), "spec": cfg.model.spec},
     }
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     if dist.get_rank() == 0:
@@ -198,6 +198,7 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
         raise ConfigError(
             f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
         )
+    check_spec_matches(client, cfg, tag)
     ranks = client["prism"]["ranks"]
     if len(ranks) != dist.get_world_size():
         raise ConfigError(
@@ -206,6 +207,17 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
         )
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
     state.load_state_dict({**shared, **ranks[dist.get_rank()]})
+
+
+def check_spec_matches(client: dict[str, Any], cfg: Config, tag: str) -> None:
+    """The layer spec is part of the weights' layout (TE fuses norms, adds _extra_state): refuse another one.
+    Checkpoints from before model.spec existed were built with the local spec."""
+    saved = client["prism"].get("spec", "local")
+    if saved != cfg.model.spec:
+        raise ConfigError(
+            f"{cfg.checkpoint_dir / tag}: built with model.spec={saved}, this run asks for model.spec="
+            f"{cfg.model.spec}; their weights do not load into each other, use model.spec={saved} to resume"
+        )
 
 
 # --- reading weights (inference) ------------------------------------------------------------------------

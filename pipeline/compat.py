@@ -29,10 +29,17 @@ import torch
 log = logging.getLogger(__name__)
 
 _CPU_SHIMS_APPLIED = False
+_CPU_DEVICE_CHOSEN = False  # train.device=cpu on a host with a GPU: behave as on a CPU-only torch
+
+
+def use_cpu_device() -> None:
+    """Train on the CPU although CUDA is there (pipeline.distributed calls it for train.device=cpu)."""
+    global _CPU_DEVICE_CHOSEN
+    _CPU_DEVICE_CHOSEN = True
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and not _CPU_DEVICE_CHOSEN
 
 
 def apply_cpu_shims() -> None:
@@ -241,6 +248,11 @@ def import_deepspeed():
     dist = torch.distributed
     if "LOCAL_RANK" not in os.environ and dist.is_initialized() and dist.get_world_size() == 1:
         os.environ["LOCAL_RANK"] = "0"
+    # bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer (ZeRO-1), which prints six
+    # forced memory reports to stdout while it builds; the console gets our lines only.
+    from deepspeed.runtime import bf16_optimizer
+
+    bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
     for name in ("DeepSpeed", "deepspeed"):  # DeepSpeed logs every step at INFO otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
     return deepspeed

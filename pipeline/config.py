@@ -55,6 +55,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "megatron"] = "sdpa"
+    # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
+    # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
+    spec: Literal["local", "transformer_engine"] = "local"
 
 
 @dataclass(frozen=True)
@@ -455,6 +458,9 @@ def _check_combinations(cfg: Config) -> None:
         fail("parallel.zero_stage", f"{p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
     if p.zero_stage == 3 and p.tp > 1:
         fail("parallel.zero_stage", "ZeRO stage 3 is only supported with parallel.tp=1; use 1 or 2")
+    if p.zero_stage == 0 and t.precision == "bf16":
+        # DeepSpeed sums micro-batch gradients in fp32 under bf16 only with ZeRO (grad_accum_dtype)
+        fail("parallel.zero_stage", "0 with train.precision=bf16 would sum gradients in bf16; use 1, 2 or 3")
     if not 0 <= t.warmup_fraction < 1:
         fail("train.warmup_fraction", f"{t.warmup_fraction} must be in [0, 1)")
     if t.min_lr > t.lr:

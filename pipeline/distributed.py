@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import Config, ConfigError
@@ -51,23 +53,74 @@ def setup_threads() -> None:
 
 
 # --- process groups -------------------------------------------------------------------------------------
-def init_distributed() -> None:
-    """torch.distributed from torchrun's env (NCCL on GPU, gloo on CPU), else a gloo world of 1."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs: its collective backend and its device ("cpu" or "cuda:N", N a visible index)."""
+
+    backend: str
+    device: str
+
+
+def placement(device: str, env: Mapping[str, str], visible_gpus: int) -> Placement:
+    """NCCL on CUDA (one process too), gloo on CPU; the GPU is the worker's LOCAL_RANK among the GPUs it sees.
+
+    ``device`` is the resolved train device ('cuda' | 'cpu'). Rule for what a worker sees:
+    - LOCAL_RANK < visible GPUs: the node's GPUs are all visible (torchrun, one task per node) -> cuda:LOCAL_RANK;
+    - exactly one visible GPU: the scheduler bound one GPU to this task (Slurm's per-task
+      CUDA_VISIBLE_DEVICES, where LOCAL_RANK can be 3 and the GPU is index 0) -> cuda:0;
+    - otherwise (LOCAL_RANK 5 with 4 GPUs visible) two workers would share a GPU: refused."""
+    if device == "cpu":
+        return Placement("gloo", "cpu")
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if visible_gpus < 1:
+        raise DeviceError("device cuda was asked for but no CUDA device is visible; use cpu or auto")
+    if local_rank < visible_gpus:
+        return Placement("nccl", f"cuda:{local_rank}")
+    if visible_gpus == 1:
+        return Placement("nccl", "cuda:0")
+    raise DeviceError(
+        f"LOCAL_RANK={local_rank} but this worker sees {visible_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+        f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}); give each worker all of the node's GPUs or exactly one"
+    )
+
+
+def init_distributed(device: str = "auto") -> None:
+    """torch.distributed from torchrun's env, else a world of 1; backend and GPU from ``placement``.
+
+    ``device`` is train.device ('auto' | 'cpu' | 'cuda'): 'cpu' on a GPU host means gloo and CPU tensors."""
     import torch
     import torch.distributed as dist
 
+    from pipeline import compat
+
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    where = placement(resolve_device(device), os.environ, torch.cuda.device_count())
+    if where.device == "cpu":
+        compat.use_cpu_device()  # megatron's CPU shims and DeepSpeed's CPU accelerator, even with a GPU present
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        torch.cuda.set_device(torch.device(where.device))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(where.backend, timeout=datetime.timedelta(minutes=30))
+    else:  # one process: an in-process store, no MASTER_ADDR needed
+        dist.init_process_group(where.backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int, seed: int) -> None:
+def deepspeed_device_args() -> Any:
+    """``args`` for deepspeed.initialize naming this worker's GPU: DeepSpeed otherwise takes LOCAL_RANK as
+    the device index, which is wrong when the scheduler binds one GPU per task. None on CPU."""
+    import types
+
+    from pipeline import compat
+
+    if not compat.cuda_available():
+        return None
+    import torch
+
+    return types.SimpleNamespace(device_rank=torch.cuda.current_device())
+
+
+def init_model_parallel(tp: int, seed: int, device: str = "auto") -> None:
     """torch.distributed (if needed), megatron's parallel_state with TP=tp, and the model-parallel RNG.
 
     Calling it again with another TP size tears the old groups down first (tests switch TP 1 -> 2)."""
@@ -76,7 +129,7 @@ def init_model_parallel(tp: int, seed: int) -> None:
 
     from pipeline import compat
 
-    init_distributed()
+    init_distributed(device)
     world = torch.distributed.get_world_size()
     if world % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the world size {world}; use a divisor of {world}")
@@ -86,7 +139,7 @@ def init_model_parallel(tp: int, seed: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(seed)  # CPU-initialised master weights draw from the default generator
-    if torch.cuda.is_available():
+    if compat.cuda_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         compat.megatron_on_cpu(seed)

@@ -47,7 +47,7 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
         )
     weights, info = checkpoint.read_weights(tag_dir)
 
-    init_model_parallel(tp=1, seed=cfg.run.seed)
+    init_model_parallel(tp=1, seed=cfg.run.seed, device=cfg.train.device)
     model = build_model(cfg)
     model.load_state_dict(weights, strict=True)
     model.eval()

@@ -25,20 +25,9 @@ from pipeline import checkpoint, data
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
-from pipeline.distributed import StopSignal, dp_mean, dp_sum, init_model_parallel, train_device
+from pipeline.distributed import StopSignal, deepspeed_device_args, dp_mean, dp_sum, init_model_parallel, train_device
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
-
-# Dense bf16 tensor-core peak per device (FLOP/s), matched by substring of torch.cuda.get_device_name().
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-}
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -51,11 +40,12 @@ def lr_at(step: int, total: int, warmup: int, lr: float, min_lr: float) -> float
 
 
 def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """nanoGPT's split: matrices decay; norms, biases and embeddings don't."""
+    """nanoGPT's split (the codebase the paper extends): every parameter with >= 2 dims decays, the (tied)
+    token embedding included; only 1-dim ones (biases, norm weights) don't."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "embedding" in name else decay).append(p)
+            (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -80,6 +70,9 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, An
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
+        # bf16 like the paper's codebase: fp32 master weights and micro-batch gradients summed in fp32, so the
+        # result does not depend on how many micro-batches (GPUs) make up a step
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if t.precision == "bf16" else {}),
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -92,21 +85,34 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
     deepspeed = compat.import_deepspeed()
     optimizer = make_optimizer(cfg, model)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, mpu=compat.MegatronMpu(), config=deepspeed_config(cfg, grad_accum, dp_size)
+        args=deepspeed_device_args(),  # this worker's GPU, not LOCAL_RANK (one GPU per Slurm task)
+        model=model,
+        optimizer=optimizer,
+        mpu=compat.MegatronMpu(),
+        config=deepspeed_config(cfg, grad_accum, dp_size),
     )
     return engine, optimizer
 
 
 # --- measurements -------------------------------------------------------------------------------------
 def peak_flops(cfg: Config, device: str) -> float | None:
-    if cfg.train.peak_flops:
-        return cfg.train.peak_flops
-    if device == "cuda":
-        import torch
+    """Per-device peak for MFU: train.peak_flops, else an exact device-name match (pipeline.hardware)."""
+    from pipeline.hardware import device_peak_flops
 
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None
+    return device_peak_flops(cfg.train.peak_flops, device)
+
+
+def mfu_causal_attention(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> float | None:
+    """MFU with attention's matmuls halved for the causal mask (Megatron's / llm.c's convention); `mfu`
+    counts them in full (pipeline.hardware explains both)."""
+    from pipeline.hardware import causal_attention_discount
+    from pipeline.model import flops_per_token
+
+    if not peak:
+        return None
+    m = cfg.model
+    flops = causal_attention_discount(flops_per_token(cfg), cfg.heads_per_layer, m.d_model, m.seq_len)
+    return flops * tokens_per_sec / (peak * gpus)
 
 
 def memory_gb(device: str) -> float:
@@ -199,6 +205,7 @@ def log_step(
     tok_s = cfg.train.batch_tokens / result.seconds
     peak = peak_flops(cfg, device)
     mfu = flops_per_token(cfg) * tok_s / (peak * dist.get_world_size()) if peak else None
+    mfu_causal = mfu_causal_attention(cfg, tok_s, peak, dist.get_world_size())
     metrics = {
         "train/loss": result.loss,
         "lr": result.lr,
@@ -212,6 +219,7 @@ def log_step(
         metrics["val/loss"] = val_loss
     if mfu is not None:
         metrics["mfu"] = mfu
+        metrics["mfu_causal"] = mfu_causal
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
@@ -267,15 +275,17 @@ def train(cfg: Config) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from pipeline.model import build_model
+    from pipeline.model.gpt import check_spec
     from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     resume_tag = checkpoint.check_resume(cfg)
+    check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     manifest = data.read_manifest(cfg.data.dataset_dir)
     data.check_compatible(manifest, cfg)
     device = train_device(cfg)
 
-    init_model_parallel(cfg.parallel.tp, cfg.run.seed)
+    init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     plan = cfg.steps(dp_size)

@@ -118,22 +118,42 @@ def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerCo
     )
 
 
-def _te_available() -> bool:
+def _te_import_error() -> str | None:
+    """Why TransformerEngine's PyTorch modules cannot be used here (None when they import). A TE built
+    against another torch can fail with other errors than ImportError, so any exception counts."""
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
+
+
+def check_spec(cfg: Config) -> str:
+    """The layer spec ``model.spec`` names, refused in one line where it cannot be built (before any model)."""
+    if cfg.model.spec == "transformer_engine":
+        if not use_cuda(cfg):
+            raise ConfigError(
+                f"{cfg.source}: model.spec: transformer_engine needs a CUDA device (train.device resolves to cpu); "
+                f"use model.spec=local"
+            )
+        why = _te_import_error()
+        if why is not None:
+            raise ConfigError(
+                f"{cfg.source}: model.spec: transformer_engine does not import here ({why}); install "
+                f"TransformerEngine for this torch or use model.spec=local"
+            )
+    return cfg.model.spec
 
 
 def layer_spec(cfg: Config, *, allow_te: bool = True):
-    """megatron's GPT layer spec (TransformerEngine on CUDA when it imports, else local) with our
-    per-d_h-RoPE self-attention and the configured core attention."""
+    """megatron's GPT layer spec as ``model.spec`` says (local unless transformer_engine is asked for; an
+    installed TE alone changes nothing) with our per-d_h-RoPE self-attention and the configured core
+    attention. allow_te=False builds the local spec (meta-device parameter counting)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from pipeline.model.attention import PrismSelfAttention, SDPAttention
 
-    if allow_te and use_cuda(cfg) and _te_available():
+    if allow_te and check_spec(cfg) == "transformer_engine":
         spec, name = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
     else:
         norm = "RMSNorm" if cfg.model.norm == "rmsnorm" else "LayerNorm"

@@ -1,5 +1,5 @@
 """TP=2 over two real torchrun processes (gloo) reproduces TP=1 with the same weights: for the tiny
-Prism preset (its 1-head layers replicated, opt-in) and for a schedule TP splits everywhere."""
+Prism preset (its 3-head layers replicated, opt-in) and for a schedule TP splits everywhere."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def test_tp2_matches_tp1(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out)
     # the TP=2 models really are split: half of each layer's heads per rank, except replicated layers
-    assert results["split"]["tp_heads"] == [1, 1, 2, 2, 2, 2, 2, 2]
+    assert results["split"]["tp_heads"] == [3, 3, 6, 6, 6, 6, 6, 6]
     assert results["split"]["replicated"] == results["split"]["planned"] == [False] * 8
     assert results["split"]["tp_group_size"] == [2] * 8 and all(results["split"]["sharded"])
-    # the 1-head layers the plan replicates: a 1-rank TP group, whole weights not marked as TP shards
-    assert results["replicated"]["tp_heads"] == [1, 1, 1, 1, 2, 2, 2, 2]
+    # the 3-head layers the plan replicates: a 1-rank TP group, whole weights not marked as TP shards
+    assert results["replicated"]["tp_heads"] == [3, 3, 3, 3, 6, 6, 6, 6]
     assert results["replicated"]["replicated"] == results["replicated"]["planned"] == [True, True] + [False] * 6
     assert results["replicated"]["tp_group_size"] == [1, 1] + [2] * 6
     assert results["replicated"]["sharded"] == [False, False] + [True] * 6

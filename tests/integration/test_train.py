@@ -27,10 +27,10 @@ from pipeline.config import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "tiny_prism.yaml"
 STEPS, CKPT_EVERY = 6, 3
-# 4 layers, 2 x 128 tokens per micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
+# 4 layers (3 heads of 64, then the tiny baseline 12 of 16), 2 x 128 tokens per micro-batch, 1024 tokens per step: grad accumulation 4 at DP=1, 2 at DP=2.
 SMALL = [
     "model.num_layers=4",
-    "schedule.heads=2x2,4x2",
+    "schedule.heads=3x2,12x2",
     "train.batch_tokens=1024",
     "train.micro_batch_size=2",
     f"train.train_tokens={STEPS * 1024}",

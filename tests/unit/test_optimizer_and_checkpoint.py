@@ -9,7 +9,6 @@ from pipeline import config
 from pipeline.config import ConfigError
 
 PRESET = "configs/tiny_prism.yaml"
-SMALL = ["model.num_layers=4", "schedule.heads=2x2,4x2", "train.precision=fp32"]
 
 
 def test_lr_schedule_values():
@@ -27,14 +26,16 @@ def test_lr_schedule_values():
     assert lr_at(0, 5, 0, lr, low) == pytest.approx(lr)  # no warmup
 
 
-def test_weight_decay_groups_exclude_norms_and_embeddings():
+def test_weight_decay_groups_follow_nanogpt_embedding_decays_norms_do_not():
     import torch
 
     from pipeline import distributed
     from pipeline.model import build_model
     from pipeline.train import make_optimizer
 
-    cfg = config.load(PRESET, SMALL)
+    cfg = config.load(
+        PRESET, ["model.num_layers=4", "model.h_base=4", "schedule.heads=2x2,4x2", "train.precision=fp32"]
+    )
     distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg)
     opt = make_optimizer(cfg, model)
@@ -45,8 +46,10 @@ def test_weight_decay_groups_exclude_norms_and_embeddings():
     decayed = {names[id(p)] for p in decay["params"]}
     kept = {names[id(p)] for p in no_decay["params"]}
     assert decayed | kept == set(names.values()) and not decayed & kept
-    assert any("word_embeddings" in n for n in kept) and not any("embedding" in n for n in decayed)
-    assert any("norm" in n for n in kept) and all(model.get_parameter(n).ndim >= 2 for n in decayed)
+    # nanoGPT: every >= 2-dim parameter decays, the tied token embedding (= the output layer) included
+    assert "embedding.word_embeddings.weight" in decayed and cfg.model.tie_embeddings
+    assert decayed == {n for n in names.values() if model.get_parameter(n).ndim >= 2}
+    assert kept and all(("norm" in n or n.endswith("bias")) and model.get_parameter(n).ndim == 1 for n in kept)
     assert any("linear_qkv.weight" in n for n in decayed) and any("linear_fc2.weight" in n for n in decayed)
     # What the groups do: with zero gradients AdamW's update is 0 and only its decoupled decay moves a weight,
     # by exactly p * lr * wd for the decayed group; the others stay put (an L2-style Adam would move them all).

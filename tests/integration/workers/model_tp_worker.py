@@ -15,10 +15,10 @@ from pipeline.model import build_model, capture_attention, lm_loss, logits
 CONFIG = "configs/tiny_prism.yaml"
 SHORT = ["model.seq_len=64"]
 SCENARIOS = {
-    # the tiny preset itself: its 1-head layers cannot split over 2 ranks, so they run replicated (opt-in)
+    # the tiny preset itself: its 3-head layers cannot split over 2 ranks, so they run replicated (opt-in)
     "replicated": SHORT + ["parallel.replicate_indivisible_layers=true"],
     # the tiny shape with a Prism schedule TP=2 splits everywhere
-    "split": SHORT + ["schedule.heads=2x2,4x6"],
+    "split": SHORT + ["schedule.heads=6x2,12x6"],
 }
 
 

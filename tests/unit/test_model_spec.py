@@ -1,0 +1,124 @@
+"""`model.spec: local | transformer_engine` (issue 12 item 2): the layer spec is a choice, never what imports.
+
+No TransformerEngine is installed here: an importable TE is faked with empty modules in sys.modules, CUDA by
+patching the model's device check, and megatron's TE spec builder is replaced by a recorder, so the tests
+see which spec would be built without any TE code running.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import yaml
+
+from pipeline import config
+from pipeline.config import ConfigError
+
+PRESET = "configs/tiny_prism.yaml"
+
+
+@pytest.fixture
+def te_importable_on_cuda(monkeypatch):
+    """A host where `import transformer_engine.pytorch` succeeds and the train device is CUDA; returns the
+    list of calls to megatron's TE spec builder."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from pipeline.model import gpt
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(gpt, "use_cuda", lambda cfg: True)
+    calls = []
+
+    def te_spec(*args, **kwargs):
+        calls.append("transformer_engine")
+        return gpt_layer_specs.get_gpt_layer_local_spec()  # a real spec, so the rest of layer_spec runs
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)
+    return calls
+
+
+def test_local_spec_is_used_even_where_transformer_engine_imports(te_importable_on_cuda):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from pipeline.model.gpt import layer_spec
+
+    spec = layer_spec(config.load(PRESET))  # default model.spec: local
+    assert te_importable_on_cuda == []
+    assert spec.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+
+
+def test_transformer_engine_spec_is_built_when_asked_for_and_importable(te_importable_on_cuda):
+    from pipeline.model.gpt import layer_spec
+
+    layer_spec(config.load(PRESET, ["model.spec=transformer_engine"]))
+    assert te_importable_on_cuda == ["transformer_engine"]
+
+
+def test_transformer_engine_refused_in_one_line_where_it_does_not_import(monkeypatch):
+    from pipeline.model import gpt
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import raises ImportError
+    monkeypatch.setattr(gpt, "use_cuda", lambda cfg: True)
+    cfg = config.load(PRESET, ["model.spec=transformer_engine"])
+    with pytest.raises(ConfigError, match=r"model.spec: transformer_engine does not import here \(") as e:
+        gpt.check_spec(cfg)
+    assert "model.spec=local" in str(e.value) and "\n" not in str(e.value)
+    assert gpt.check_spec(config.load(PRESET)) == "local"
+
+
+def test_cli_train_refuses_transformer_engine_on_cpu_with_exit_2(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", PRESET, "model.spec=transformer_engine"]
+        + ["train.device=cpu", f"run.output_dir={tmp_path}", "tracking.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "model.spec: transformer_engine needs a CUDA device" in out.stderr
+    assert "Traceback" not in out.stderr and not list(tmp_path.rglob("*.pt"))
+
+
+def test_resume_across_specs_is_refused_naming_both(tmp_path):
+    from pipeline import checkpoint
+
+    cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
+    (tmp_path / "step-0000002").mkdir()
+    (tmp_path / "step-0000002" / "config.yaml").write_text(cfg.dump())
+    (tmp_path / "latest").write_text("step-0000002")
+    assert checkpoint.check_resume(cfg) == "step-0000002"
+    other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
+    with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
+        checkpoint.check_resume(other)
+    assert yaml.safe_load(cfg.dump())["model"]["spec"] == "local"  # the checkpoint's config records it
+
+
+def test_checkpoint_records_the_spec_and_load_refuses_another(tmp_path):
+    from pipeline import checkpoint
+
+    class Engine:  # what checkpoint.save / load touch of a DeepSpeed engine
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            self.client_state = client_state
+
+        def load_checkpoint(self, load_dir, tag, load_lr_scheduler_states):
+            return load_dir, self.client_state
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    engine = Engine()
+    cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
+    checkpoint.save(engine, cfg, checkpoint.TrainState(step=2))
+    assert engine.client_state["prism"]["spec"] == "local"
+    engine.client_state["prism"]["spec"] = "transformer_engine"  # as a TE run would have written it
+    with pytest.raises(
+        ConfigError, match="built with model.spec=transformer_engine, this run asks for model.spec=local"
+    ):
+        checkpoint.load(engine, cfg, "step-0000002", checkpoint.TrainState())
