@@ -49,13 +49,56 @@ except Exception:
 EOF
 }
 
+port_free() {
+  # Can we bind HOST:PORT? (SO_REUSEADDR like the server, so a closed socket in TIME_WAIT does not count)
+  "${PYTHON:-python3}" - "$HOST" "$PORT" <<'EOF' 2>/dev/null
+import socket, sys
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind((sys.argv[1], int(sys.argv[2])))
+except OSError:
+    sys.exit(1)
+EOF
+}
+
+ours() {
+  # Does the process group we started (setsid: session id = pid) hold the listening socket on PORT? A health
+  # answer alone may come from another server already on the port, while ours dies seconds later.
+  "${PYTHON:-python3}" - "$1" "$PORT" <<'EOF' 2>/dev/null
+import os, sys
+sid, port = int(sys.argv[1]), int(sys.argv[2])
+inodes = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+        rows = open(table).read().splitlines()[1:]
+    except OSError:
+        continue
+    for row in rows:
+        f = row.split()
+        if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            inodes.add(f"socket:[{f[9]}]")
+for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[3]) != sid:  # field 6: session
+            continue
+        if any(os.readlink(f"/proc/{p}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{p}/fd")):
+            sys.exit(0)
+    except OSError:
+        continue
+sys.exit(1)
+EOF
+}
+
 start() {
   if pid=$(running_pid); then
     healthy || die "a server (pid $pid) from $PIDFILE is running but $URL/health does not answer; see $LOG or run '$0 stop'"
+    ours "$pid" || die "pid $pid from $PIDFILE is alive but does not hold port $PORT; run '$0 stop' and start again"
     echo "mlflow_server: already running (pid $pid) at $URL"
     return 0
   fi
   command -v "$MLFLOW" >/dev/null || die "mlflow executable '$MLFLOW' not found; run 'make setup' or set MLFLOW"
+  port_free || die "port $PORT on $HOST is already in use by another process (another mlflow server?); stop it or set MLFLOW_SERVER_PORT"
   mkdir -p "$DIR/artifacts"
   local dir_abs
   dir_abs=$(cd "$DIR" && pwd)
@@ -76,10 +119,10 @@ start() {
   local pid=$!
   echo "$pid" >"$PIDFILE.tmp" && mv "$PIDFILE.tmp" "$PIDFILE"
   local t=0
-  until healthy; do
+  until healthy && ours "$pid"; do
     if ! kill -0 "$pid" 2>/dev/null; then
       rm -f "$PIDFILE"
-      die "server exited during start-up (port $PORT in use?); last log line: $(tail -n 1 "$LOG")"
+      die "server exited during start-up (port $PORT taken by another process?); last log line: $(tail -n 1 "$LOG")"
     fi
     if [ "$t" -ge "$WAIT" ]; then
       stop >/dev/null
@@ -109,7 +152,7 @@ stop() {
 }
 
 status() {
-  if pid=$(running_pid) && healthy; then
+  if pid=$(running_pid) && healthy && ours "$pid"; then
     echo "mlflow_server: running (pid $pid) at $URL"
   else
     echo "mlflow_server: not running ($URL)"

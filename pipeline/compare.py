@@ -107,7 +107,7 @@ def _thresholds(params: dict[str, str], metric_keys: list[str]) -> list[float]:
             xs.update(float(x) for x in json.loads(raw))
         except (ValueError, TypeError):
             pass
-    for key in metric_keys:  # milestones logged by a run whose config listed others
+    for key in metric_keys:  # milestones logged by a run whose config listed others (tags, or metrics before)
         if key.startswith("milestone/val_") and key.endswith("_step"):
             xs.add(float(key[len("milestone/val_") : -len("_step")]))
     return sorted(xs, reverse=True)
@@ -134,9 +134,13 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
         series = [(s, tokens.get(s, s * batch_tokens), v) for s, v in val.items()]
         tps, span = throughput(tokens_history)
         milestones: dict[float, tuple[float, float] | None] = {}
-        for x in _thresholds(params, list(run.data.metrics)):
-            tok = latest_per_step(client.get_metric_history(rid, f"milestone/val_{x!r}_tokens"))
-            stp = latest_per_step(client.get_metric_history(rid, f"milestone/val_{x!r}_step"))
+        for x in _thresholds(params, [*run.data.metrics, *tags]):
+            tok_key, step_key = f"milestone/val_{x!r}_tokens", f"milestone/val_{x!r}_step"
+            if tok_key in tags and step_key in tags:  # how runs log milestones now
+                milestones[x] = (float(tags[tok_key]), float(tags[step_key]))
+                continue
+            tok = latest_per_step(client.get_metric_history(rid, tok_key))  # runs logged before: metrics
+            stp = latest_per_step(client.get_metric_history(rid, step_key))
             milestones[x] = (min(tok.values()), min(stp.values())) if tok and stp else None
         runs.append(
             RunSeries(
@@ -414,18 +418,37 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def comparison_experiment(experiment: str) -> str:
+    """The experiment holding the comparison run of ``experiment``: its own, so the comparison is not one more
+    line in every chart legend of the arms' runs."""
+    return f"{experiment}-comparison"
+
+
 def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: list[RunSeries]) -> str:
-    """Artifacts onto the experiment's one `kind=comparison` run (reused on later calls)."""
+    """Artifacts onto the one `kind=comparison` run of ``comparison_experiment(experiment)`` (reused later)."""
     from mlflow.entities import RunTag
 
     client = store.client(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
+    arms_exp = client.get_experiment_by_name(experiment)
+    name = comparison_experiment(experiment)
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        client.create_experiment(
+            name, artifact_location=store.artifact_location(tracking_uri), tags={"compares": experiment}
+        )
+        exp = client.get_experiment_by_name(name)
     found = client.search_runs([exp.experiment_id], filter_string="tags.kind = 'comparison'", max_results=1)
     if found:
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
     else:
-        run_id = client.create_run(exp.experiment_id, run_name="comparison", tags={"kind": "comparison"}).info.run_id
+        tags = {
+            "kind": "comparison",
+            "compared_experiment": experiment,
+            "mlflow.note.content": f"Prism vs uniform over the training runs of experiment {experiment!r} "
+            f"(id {arms_exp.experiment_id}); tables and plots under Artifacts > comparison.",
+        }
+        run_id = client.create_run(exp.experiment_id, run_name=f"comparison of {experiment}", tags=tags).info.run_id
     client.log_batch(run_id, tags=[RunTag("compared_runs", ",".join(r.run_id for r in runs)[:5000])])
     for p in paths:
         client.log_artifact(run_id, str(p), "comparison")

@@ -199,8 +199,13 @@ class Config:
         return _plain(self)
 
     def dump(self) -> str:
-        """YAML of the full resolved config (defaults included): what MLflow stores verbatim."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """YAML of the full resolved config (defaults included): what MLflow stores verbatim, with any
+        password in tracking.uri masked (it is written to checkpoints and artifacts)."""
+        from pipeline.redaction import redact_uri
+
+        data = self.to_dict()
+        data["tracking"]["uri"] = redact_uri(data["tracking"]["uri"])
+        return yaml.safe_dump(data, sort_keys=False)
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -16,7 +16,8 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# SIGINT (Ctrl-C) too: a checkpoint and exit 3 rather than a KeyboardInterrupt traceback and lost steps.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class DeviceError(ConfigError):
@@ -181,7 +182,7 @@ def dp_sum(tensor: Any) -> Any:
 
 
 class StopSignal:
-    """SIGTERM/SIGUSR1/SIGUSR2 set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
+    """SIGTERM/USR1/USR2/INT set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
 
     def __init__(self) -> None:
         self.received: int | None = None

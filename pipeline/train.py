@@ -312,6 +312,9 @@ def train(cfg: Config) -> dict[str, Any]:
             f"{grad_accum}, warmup {warmup}",
             flush=True,
         )
+        ui_url = getattr(tracker, "ui_url", lambda: None)()
+        if ui_url:
+            print(f"prism train: MLflow run {ui_url}", flush=True)
 
     exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
     recent: deque[float] = deque(maxlen=20)

@@ -32,6 +32,7 @@ def resolve_uri(uri: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.compare import compare_arms
+    from pipeline.redaction import redact_uri
 
     uri = resolve_uri(args.tracking_uri)
     out = args.out or str(Path("runs") / "compare" / args.experiment)
@@ -40,5 +41,8 @@ def run(args: argparse.Namespace) -> int:
     for p in result["paths"]:
         print(f"wrote {p}")
     if result["comparison_run_id"]:
-        print(f"logged to run {result['comparison_run_id']} (tag kind=comparison) in {uri}")
+        print(
+            f"logged to run {result['comparison_run_id']} (tag kind=comparison) in experiment "
+            f"{args.experiment}-comparison of {redact_uri(uri)}"
+        )
     return 0

@@ -23,12 +23,14 @@ def run(args: argparse.Namespace) -> int:
         sent, uri, run_id = sync(folder, args.tracking_uri)
     except Exception as e:
         from pipeline.config import ConfigError
+        from pipeline.redaction import redact_text
 
         if isinstance(e, ConfigError):
             raise
         left = len(Journal(folder).pending())
         raise ConfigError(
-            f"{folder}: MLflow did not take the records ({str(e).splitlines()[0][:160]}); {left} still pending; "
+            f"{folder}: MLflow did not take the records ({redact_text(str(e).splitlines()[0])[:160]}); "
+            f"{left} still pending; "
             "start the server (ops/mlflow_server.sh start) or pass --tracking-uri, then run sync again"
         ) from None
     print(f"prism tracking sync: {sent} of {before} pending records sent to {uri} (run {run_id})")

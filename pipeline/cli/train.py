@@ -1,6 +1,6 @@
 """`prism train CONFIG [overrides]`: one process, or one of many under torchrun / srun.
 
-Exit codes (launchers act on them): 0 token budget done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1/SIGUSR2
+Exit codes (launchers act on them): 0 token budget done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1/SIGUSR2/SIGINT
 after writing a checkpoint (requeue), 4 non-finite loss (diagnostics written, last good checkpoint kept).
 """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import write_atomic
+from pipeline.redaction import redact_uri
 from pipeline.tracking import store
 
 JOURNAL = "tracking.jsonl"
@@ -93,7 +94,15 @@ class Delivery:
 
     def __init__(self, uri: str, experiment: str, journal: Journal):
         self.uri, self.experiment, self.journal = uri, experiment, journal
-        self.client = store.client(uri)
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """Opened on first use, inside flush(), so a store that cannot be opened at start (locked, being
+        migrated, unreachable) is a failed delivery that keeps the records pending, not a crash."""
+        if self._client is None:
+            self._client = store.client(self.uri)
+        return self._client
 
     def experiment_id(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment)
@@ -186,4 +195,4 @@ def sync(folder: str | Path, uri: str | None = None) -> tuple[int, str, str]:
         raise ConfigError(f"{journal.state_path}: no tracking uri recorded; pass --tracking-uri URI")
     uri = store.resolve_uri(uri, journal.folder)
     sent = Delivery(uri, state["experiment"], journal).flush()
-    return sent, uri, journal.state()["run_id"]
+    return sent, redact_uri(uri), journal.state()["run_id"]

@@ -8,6 +8,8 @@ val-loss milestones (first step and token count at which val/loss <= x), which s
 
 from __future__ import annotations
 
+import atexit
+import getpass
 import json
 import logging
 import os
@@ -20,6 +22,7 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten
+from pipeline.redaction import redact_text, redact_uri
 from pipeline.tracking import store
 from pipeline.tracking.journal import Delivery, Journal
 
@@ -66,6 +69,11 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "git_commit": git_commit(),
         "config_hash": cfg.hash(),
         "hostname": socket.gethostname(),
+        # MLflow's own tags: the UI's "Source", "Version" and "Created by" columns read these.
+        "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",
+        "mlflow.source.name": f"prism train {cfg.source}",
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.user": _user(),
         "mlflow.note.content": f"{cfg.run.arm} arm, schedule {schedule.compact(cfg.heads_per_layer)}, "
         f"seed {cfg.run.seed}, config {cfg.source}",
     }
@@ -92,10 +100,14 @@ class MlflowTracker:
         self.reached: dict[float, dict[str, int]] = {}
         self.tokens_seen = 0
         self.delivery = Delivery(self.uri, cfg.experiment, self.journal)
+        self.finished = True  # until start(); an exit between start() and finish() is a crash
 
     # --- the interface ---------------------------------------------------------------------------
     def start(self, cfg: Config, run_id: str | None = None) -> str | None:
         self.cfg = cfg
+        if self.finished:
+            self.finished = False
+            atexit.register(self._failed_if_unfinished)
         state = self.journal.state()
         if run_id is not None and state["run_id"] not in (None, run_id):
             # The checkpoint is the source of truth (e.g. a journal copied from another run).
@@ -104,12 +116,14 @@ class MlflowTracker:
                 run_id,
                 state["run_id"],
             )
+        shown_uri = redact_uri(self.uri)  # the state file never holds a password; sync takes it from the env
         if run_id is not None:
-            self.journal.save_state(run_id=run_id, uri=self.uri, experiment=cfg.experiment)
+            self.journal.save_state(run_id=run_id, uri=shown_uri, experiment=cfg.experiment)
         else:
-            self.journal.save_state(uri=self.uri, experiment=cfg.experiment)
+            self.journal.save_state(uri=shown_uri, experiment=cfg.experiment)
         self._restore_milestones()
         params = {k: _param_value(v) for k, v in flatten(cfg.to_dict()).items()}
+        params["tracking.uri"] = _param_value(redact_uri(cfg.tracking.uri))
         self.journal.append(
             {"op": "start", "time": _now_ms(), "run_name": cfg.run_name, "tags": run_tags(cfg), "params": params}
         )
@@ -126,7 +140,7 @@ class MlflowTracker:
         if "tokens_seen" in metrics:
             self.tokens_seen = int(metrics["tokens_seen"])
         if "val/loss" in metrics:
-            metrics.update(self._new_milestones(metrics["val/loss"], step))
+            self._new_milestones(metrics["val/loss"], step)
         self.journal.append({"op": "metrics", "time": _now_ms(), "step": int(step), "metrics": metrics})
         self._deliver()
         if self.online and self.run_id is not None:
@@ -142,6 +156,8 @@ class MlflowTracker:
         self._deliver()
 
     def finish(self, status: str = "FINISHED") -> None:
+        self.finished = True
+        atexit.unregister(self._failed_if_unfinished)
         if self.milestones:
             missed = [x for x in self.milestones if x not in self.reached]
             tags = {f"milestone.val_{x!r}": "not reached" for x in missed}
@@ -156,11 +172,32 @@ class MlflowTracker:
             log.warning(
                 "tracking: %d records not delivered to %s; run `prism tracking sync %s` later",
                 len(self.journal.pending()),
-                self.uri,
+                redact_uri(self.uri),
                 self.journal.folder,
             )
 
+    def ui_url(self) -> str | None:
+        """Where to look at this run in the MLflow UI (password masked), or None before the run exists."""
+        run_id = self.journal.state().get("run_id")
+        if run_id is None:
+            return None
+        try:
+            exp_id = self.delivery.experiment_id()
+        except Exception:  # noqa: BLE001 - the store went away since start(); the URL is a nicety
+            return None
+        page = f"#/experiments/{exp_id}/runs/{run_id}"
+        if self.uri.startswith(("http://", "https://")):
+            return f"{redact_uri(self.uri).rstrip('/')}/{page}"
+        return f"http://127.0.0.1:5000/{page} (after: mlflow ui --backend-store-uri {redact_uri(self.uri)})"
+
     # --- helpers ---------------------------------------------------------------------------------
+    def _failed_if_unfinished(self) -> None:
+        """At interpreter exit: a run that started and never finished crashed (an exception escaped the
+        loop); mark it FAILED in the journal and the store rather than leave it RUNNING for ever."""
+        if not self.finished:
+            log.warning("tracking: the run ended without finishing; marking it FAILED")
+            self.finish("FAILED")
+
     def _deliver(self, force: bool = False) -> None:
         if not self.online and not force and time.monotonic() < self.next_try:
             return
@@ -170,15 +207,15 @@ class MlflowTracker:
             if self.online:
                 log.warning(
                     "tracking: MLflow at %s unavailable (%s); buffering in %s",
-                    self.uri,
-                    str(e).splitlines()[0][:200],
+                    redact_uri(self.uri),
+                    redact_text(str(e).splitlines()[0])[:200],
                     self.journal.path,
                 )
             self.online = False
             self.next_try = time.monotonic() + self.retry_after_s
             return
         if not self.online:
-            log.warning("tracking: MLflow at %s is back; replayed the buffered records", self.uri)
+            log.warning("tracking: MLflow at %s is back; replayed the buffered records", redact_uri(self.uri))
             self.online = True
             if self.run_id is None:  # the run was created only now
                 self.run_id = self.journal.state()["run_id"]
@@ -198,35 +235,43 @@ class MlflowTracker:
             self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.uri)
             self.monitor.start()
         except Exception as e:  # noqa: BLE001 - system metrics are a nicety; never stop training for them
-            log.warning("tracking: system metrics off (%s)", e)
+            log.warning("tracking: system metrics off (%s)", redact_text(str(e)))
             self.monitor = None
 
-    def _new_milestones(self, val_loss: float, step: int) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def _new_milestones(self, val_loss: float, step: int) -> None:
+        """Milestones are tags (one value each, shown in the run's overview), not metrics: as metrics they
+        led every chart view with single points. Runs logged before this kept them as metrics; the reader
+        (pipeline/compare.py) takes either."""
         tags: dict[str, str] = {}
         for x in self.milestones:
             if x in self.reached or not val_loss <= x:
                 continue
             self.reached[x] = {"step": step, "tokens": self.tokens_seen}
-            out[milestone_key(x, "tokens")] = float(self.tokens_seen)
-            out[milestone_key(x, "step")] = float(step)
+            tags[milestone_key(x, "tokens")] = str(self.tokens_seen)
+            tags[milestone_key(x, "step")] = str(step)
             tags[f"milestone.val_{x!r}"] = f"reached at step {step}, {self.tokens_seen} tokens"
         if tags:
             self.journal.append({"op": "tags", "time": _now_ms(), "tags": tags})
-        return out
 
     def _restore_milestones(self) -> None:
         """After a resume, milestones already logged by this run stay reached (they were first)."""
         for rec in self.journal.records():
-            if rec["op"] != "metrics":
+            if rec["op"] not in ("metrics", "tags"):
                 continue
-            m = rec["metrics"]
+            m = rec.get("metrics") or rec.get("tags")
             for x in self.milestones:
                 if x not in self.reached and milestone_key(x, "step") in m:
                     self.reached[x] = {
                         "step": int(m[milestone_key(x, "step")]),
                         "tokens": int(m[milestone_key(x, "tokens")]),
                     }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        return os.environ.get("USER", "unknown")
 
 
 def _param_value(v: Any) -> str:

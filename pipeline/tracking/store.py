@@ -13,11 +13,16 @@ written in a journal or printed by one command names the same store for all the 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.redaction import is_redacted, redact_text, redact_uri, without_userinfo
 
 SQLITE = "sqlite:///"
 STORE_FILE = "mlflow.db"
@@ -63,13 +68,74 @@ def artifact_location(uri: str) -> str | None:
 
 
 def client(uri: str):
-    """An MlflowClient for ``uri``, with the HTTP defaults above when it is a server."""
+    """An MlflowClient for ``uri``, with the HTTP defaults above when it is a server.
+
+    Building the client opens the store, and opening an SQLite store creates or migrates its schema: that
+    happens under a lock beside the file, so two runs starting together into one new folder do not race in
+    MLflow's migration (which crashed both and could leave the store unusable)."""
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+    # MLflow prints "View run … at: <uri>" when a run ends, credentials included; `prism train` prints its
+    # own (masked) link instead.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    if is_redacted(uri):  # a URI read back from a journal or checkpoint: credentials come from the environment
+        uri = without_userinfo(uri)
+    path = sqlite_file(uri)
+    if path is None:
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(path):
+        repair_interrupted_migration(path)
+        return MlflowClient(tracking_uri=uri)
+
+
+@contextlib.contextmanager
+def store_lock(db: Path):
+    """Exclusive lock on ``<db>.lock`` (fcntl, released when the process dies) while a store is opened."""
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.parent / f"{db.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def repair_interrupted_migration(db: Path) -> list[str]:
+    """Undo what an interrupted MLflow schema migration left in an SQLite store; returns what it did.
+
+    Alembic migrates an SQLite table by copying it into ``_alembic_tmp_NAME``, dropping NAME and renaming the
+    copy. Cut short, the copy stays and every later migration fails on "table _alembic_tmp_NAME already
+    exists". If NAME is still there the copy is incomplete and is dropped; if NAME is gone, the copy holds
+    the data and is renamed back. No row of history is deleted either way. Call it under ``store_lock``."""
+    if not db.is_file() or db.stat().st_size == 0:
+        return []
+    done: list[str] = []
+    names: set[str] = set()
+    con = sqlite3.connect(db, timeout=60)
+    try:
+        names = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for tmp in sorted(n for n in names if n.startswith("_alembic_tmp_")):
+            table = tmp[len("_alembic_tmp_") :]
+            if table in names:
+                con.execute(f'DROP TABLE "{tmp}"')
+                done.append(f"dropped the unfinished copy {tmp} ({table} is intact)")
+            else:
+                con.execute(f'ALTER TABLE "{tmp}" RENAME TO "{table}"')
+                done.append(f"renamed {tmp} back to {table}")
+        con.commit()
+    except sqlite3.Error as e:
+        raise RuntimeError(
+            f"{db}: an interrupted MLflow migration left {sorted(n for n in names if n.startswith('_alembic'))} "
+            f"and repairing it failed ({e}); copy the file aside, then drop those tables with sqlite3"
+        ) from e
+    finally:
+        con.close()
+    for what in done:
+        log.warning("tracking: repaired %s: %s", db, what)
+    return done
 
 
 def log_to_run(
@@ -95,11 +161,11 @@ def log_to_run(
         for artifact_dir, file in artifacts:
             mlflow.log_artifact(run_id, str(file), artifact_path=artifact_dir)
     except Exception as e:  # noqa: BLE001 (any tracking failure is reported, not raised)
-        log.warning("MLflow logging to %s failed: %s", uri, e)
+        log.warning("MLflow logging to %s failed: %s", redact_uri(uri), redact_text(str(e)))
         return {
             "logged": False,
-            "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            "uri": uri,
+            "reason": f"{type(e).__name__}: {redact_text(str(e).splitlines()[0]) if str(e) else ''}",
+            "uri": redact_uri(uri),
             "run_id": run_id,
         }
-    return {"logged": True, "uri": uri, "run_id": run_id}
+    return {"logged": True, "uri": redact_uri(uri), "run_id": run_id}

@@ -75,9 +75,12 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
     pngs = ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]
     for name in pngs:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # Logged as artifacts of one kind=comparison run, reused (not duplicated) by a second compare.
+    # Logged as artifacts of one kind=comparison run, reused (not duplicated) by a second compare, in its
+    # own experiment so it is not a line in the arms' charts.
     assert main(args) == 0
     exp = client.get_experiment_by_name(tracked_runs.experiment)
+    assert client.search_runs([exp.experiment_id], filter_string="tags.kind = 'comparison'") == []
+    exp = client.get_experiment_by_name(f"{tracked_runs.experiment}-comparison")
     (comparison,) = client.search_runs([exp.experiment_id], filter_string="tags.kind = 'comparison'")
     logged = {a.path for a in client.list_artifacts(comparison.info.run_id, "comparison")}
     assert {f"comparison/{n}" for n in ["comparison.md", "comparison.csv", *pngs]} <= logged

@@ -192,8 +192,8 @@ def test_resume_refused_after_model_change(reference, tiny_data):
     from pipeline.train import train
 
     out, _, _ = reference
-    cfg = config.load(PRESET, [*overrides(tiny_data, out), "model.ffn_hidden_size=512"])
-    with pytest.raises(ConfigError, match=r"cannot resume, model\.ffn_hidden_size changed \(688 -> 512\)"):
+    cfg = config.load(PRESET, [*overrides(tiny_data, out), "model.ffn_hidden_size=384"])
+    with pytest.raises(ConfigError, match=r"cannot resume, model\.ffn_hidden_size changed \(512 -> 384\)"):
         train(cfg)
 
 

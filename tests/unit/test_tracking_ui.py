@@ -1,0 +1,62 @@
+"""What the MLflow UI shows (issue 16 item 4): standard source tags, milestones as tags (and the reader still
+taking the metrics older runs logged), the comparison run in its own experiment, the run's UI URL."""
+
+from __future__ import annotations
+
+import getpass
+import subprocess
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from pipeline import compare
+from pipeline.tracking.mlflow_run import MlflowTracker, milestone_key
+from tests.unit.test_tracking import tiny_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_runs_carry_mlflows_source_tags_and_print_their_ui_url(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    tracker = MlflowTracker(cfg)
+    run_id = tracker.start(cfg)
+    tracker.finish()
+    tags = MlflowClient(tracker.uri).get_run(run_id).data.tags
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert tags["mlflow.source.git.commit"] == head
+    assert tags["mlflow.source.name"] == f"prism train {cfg.source}"
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"] == getpass.getuser()
+    exp_id = MlflowClient(tracker.uri).get_experiment_by_name(cfg.experiment).experiment_id
+    assert f"#/experiments/{exp_id}/runs/{run_id}" in tracker.ui_url()
+
+
+def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read_old_and_new(tmp_path):
+    cfg = tiny_cfg(tmp_path, overrides=["tracking.milestones=[7.0]"])
+    tracker = MlflowTracker(cfg)
+    new_id = tracker.start(cfg)
+    tracker.log_metrics({"train/loss": 7.0, "tokens_seen": 4096, "tokens_per_sec": 1.0}, 2)
+    tracker.log_metrics({"val/loss": 6.9}, 2)
+    tracker.finish()
+    # A run logged before milestones became tags: the same values as metrics.
+    client = MlflowClient(tracker.uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    old = client.create_run(exp.experiment_id, tags={"kind": "train", "arm": "uniform", "scale": "tiny"})
+    old_id = old.info.run_id
+    client.log_param(old_id, "tracking.milestones", "[7.0]")
+    client.log_metric(old_id, "val/loss", 6.95, step=3)
+    client.log_metric(old_id, milestone_key(7.0, "tokens"), 6144.0, step=3)
+    client.log_metric(old_id, milestone_key(7.0, "step"), 3.0, step=3)
+
+    runs = {r.run_id: r for r in compare.load_runs(cfg.experiment, tracker.uri)}
+    assert runs[new_id].milestones[7.0] == (4096.0, 2.0)
+    assert runs[old_id].milestones[7.0] == (6144.0, 3.0)
+
+    report = tmp_path / "report.md"
+    report.write_text("x")
+    comparison_id = compare.log_comparison(cfg.experiment, tracker.uri, [report], list(runs.values()))
+    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == {new_id, old_id}
+    comparison = client.get_run(comparison_id)
+    placed = client.get_experiment(comparison.info.experiment_id)
+    assert placed.name == f"{cfg.experiment}-comparison" and comparison.data.tags["kind"] == "comparison"
+    assert comparison.data.tags["compared_experiment"] == cfg.experiment
+    assert compare.log_comparison(cfg.experiment, tracker.uri, [report], []) == comparison_id  # reused
