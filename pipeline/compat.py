@@ -10,6 +10,10 @@ CPU equivalents, and only then: with CUDA present nothing here patches anything.
      rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
 
 Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
+
+Versions: 0.16.x (Python 3.11) and 0.19.x (Python 3.12) are tested; what differs between them is handled
+here (self_attention_extra_kwargs).
+
 Process groups, devices and collectives are plumbing, not quirks: pipeline.distributed.
 """
 
@@ -124,6 +128,23 @@ def set_model_parallel_rng_states(states: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     tensor_parallel.get_cuda_rng_tracker().set_states(states)
+
+
+# Keyword arguments that megatron's TransformerLayer hands its self-attention module beyond 0.16's, by the
+# release that added them: 0.19 passes the module's ``name`` (a label for logging / checkpoint naming).
+SELF_ATTENTION_NEW_KWARGS = ("name", "pp_layer_offset")
+
+
+def self_attention_extra_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra keyword arguments PrismSelfAttention forwards to megatron's SelfAttention: the known newer
+    ones. Anything else is an API change to look at here, not something to pass or drop blindly."""
+    unknown = sorted(set(extra) - set(SELF_ATTENTION_NEW_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"PrismSelfAttention: megatron-core passed unknown argument(s) {unknown}; "
+            "add them to pipeline/compat.py SELF_ATTENTION_NEW_KWARGS once checked"
+        )
+    return extra
 
 
 _SINGLE_RANK_GROUPS: list | None = None
