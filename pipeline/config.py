@@ -298,7 +298,25 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
             return False
         return any(k == s or k.startswith(s + ".") for s in scope)
 
-    return [k for k in keys if in_scope(k) and a.get(k) != b.get(k)]
+    def differs(k: str) -> bool:
+        if k not in a:  # saved before the key existed: that run had the default's behaviour
+            return b.get(k) != schema_default(k)
+        return a.get(k) != b.get(k)
+
+    return [k for k in keys if in_scope(k) and differs(k)]
+
+
+def schema_default(key: str) -> Any:
+    """The default of a flattened ``section.name`` key (``model.spec`` -> "local"); MISSING where none."""
+    section, _, name = key.partition(".")
+    cls = typing.get_type_hints(Config).get(section)
+    if not dataclasses.is_dataclass(cls):
+        return dataclasses.MISSING
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            return _plain(default)
+    return dataclasses.MISSING
 
 
 def _plain(value: Any) -> Any:
