@@ -11,7 +11,7 @@ webdataset shards), so the loader, the engine, the step and the logging are the 
 from the trainer's metrics.jsonl (tokens_per_sec, mfu, mfu_causal, memory_gb) and its log (the SDPA kernel
 chosen per head dim, pipeline.model.sdpa_backend); nothing is recomputed here. The last --profile-steps
 training steps run under torch.profiler (self time per op: device kernels on CUDA, CPU ops on CPU) and are
-left out of tokens/s, as are the first --warmup steps.
+left out of tokens/s (with the profiler's own warm-up step before them), as are the first --warmup steps.
 
 Output: one line per field (`arm <name> <field> <value>`), a `ratio` line and a final `BENCH_ARMS {json}`
 line with everything (also written to --json). MFU needs a known peak: on CPU pass --peak-flops (nominal).
