@@ -253,14 +253,17 @@ MODEL_OR_DATA_KEYS = (
     "train.micro_batch_size",
     "data",
 )
-# Inside data, these only say how preparation is executed: changing them never changes the tokens.
-EXECUTION_ONLY_DATA_KEYS = (
+# How work is executed, not what it computes (the tokens, the weights): a change never blocks a resume.
+EXECUTION_ONLY_KEYS = (
     "data.executor",
     "data.tasks",
     "data.workers",
     "data.slurm",
     "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
     "data.verify_on_start",
+    # how the same math runs (kernels, fusions): the weights and their names do not change
+    "model.attention_backend",
+    "model.fusions",
 )
 # Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
 # a resume refuses a change unless checkpoint.allow_changes names the key.
@@ -297,7 +300,7 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
     keys = sorted(set(a) | set(b))
 
     def in_scope(k: str) -> bool:
-        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_DATA_KEYS):
+        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
             return False
         return any(k == s or k.startswith(s + ".") for s in scope)
 
