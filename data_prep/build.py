@@ -10,10 +10,13 @@ with the same ``tasks`` (datatrove's completions are per rank).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -21,7 +24,7 @@ from urllib.parse import urlparse
 from data_prep.corpus import build_embedded_corpus, train_bpe_tokenizer
 from data_prep.manifest import PREP, STATE, WriteManifest, data_hash, first_difference, read_json, write_manifest
 from data_prep.tokenize_to_shards import TokenizeToShards
-from pipeline.atomic import write_atomic
+from pipeline.atomic import folder_write_problem, write_atomic, write_failure_cause
 from pipeline.config import Config
 from pipeline.dataset import MANIFEST, DataError, dtype_for_vocab, sha256_file
 
@@ -175,6 +178,32 @@ def check_output(out: Path, ident: dict[str, Any], tasks: int, overwrite: bool) 
     raise DataError(f"{out}: exists and holds files that are not a Prism dataset; {hint}")
 
 
+# --- file-system errors -------------------------------------------------------------------------------------
+def check_writable(folder: Path, key: str) -> None:
+    """``folder`` can be created and written (probed before any work): otherwise one line with the path."""
+    if (cause := folder_write_problem(folder)) is not None:
+        raise DataError(f"{folder}: cannot create or write this folder ({cause}); point {key} at a writable folder")
+
+
+@contextmanager
+def write_errors(doing: str, where: Path, state: str, key: str = "data.dataset_dir", kept: str = "") -> Iterator[None]:
+    """An OS error while writing (disk full, ulimit -f, permissions; also re-raised from a datatrove worker)
+    becomes one line: the cause, what was being written where, the state that leaves, and the way on."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:  # not a system call's error (e.g. pyarrow's own IO errors): not ours to word
+            raise
+        cause = write_failure_cause(e, where)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space and rerun"
+        elif e.errno == errno.EFBIG:
+            fix = "raise the limit (ulimit -f) and rerun"
+        else:
+            fix = f"make it writable (or point {key} elsewhere) and rerun"
+        raise DataError(f"{cause} while {doing} in {where}; {state}: {fix}{kept}") from None
+
+
 # --- executor ---------------------------------------------------------------------------------------------
 def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> list:
     from datatrove.pipeline.readers import JsonlReader, ParquetReader
@@ -256,13 +285,19 @@ def prepare_inputs(cfg: Config) -> str:
     d = cfg.data
     if d.input_format == "embedded":
         if not Path(d.input).exists():
+            where, key = Path(d.input).parent, "data.input (or run.output_dir)"
+            check_writable(where, key)
             print(f"prism prepare: building the embedded corpus (text installed with Python) -> {d.input}", flush=True)
-            build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
+            with write_errors("building the embedded corpus", where, "no corpus was written", key):
+                build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
         if d.tokenizer.endswith(".json") and not Path(d.tokenizer).exists():  # a path, not a Hub name
+            where, key = Path(d.tokenizer).parent, "data.tokenizer (or run.output_dir)"
+            check_writable(where, key)
             print(
                 f"prism prepare: training a BPE tokenizer (vocab {cfg.model.vocab_size}) -> {d.tokenizer}", flush=True
             )
-            train_bpe_tokenizer(d.input, d.tokenizer, cfg.model.vocab_size, d.eos_token)
+            with write_errors("writing the tokenizer", where, "no tokenizer file was written", key):
+                train_bpe_tokenizer(d.input, d.tokenizer, cfg.model.vocab_size, d.eos_token)
     check_input(cfg)
     return resolve_tokenizer(cfg)
 
@@ -280,15 +315,18 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
     tok = tokenizer_info(tokenizer_path, d.eos_token, cfg.model.vocab_size)
     ident = data_identity(cfg, tok)
     out = Path(d.dataset_dir)
+    check_writable(out, "data.dataset_dir")
     status = check_output(out, ident, d.tasks, overwrite)
     if status == "done":
         if not quiet:
             print(f"prism prepare: {out / MANIFEST} is up to date (config hash {data_hash(ident)}); nothing to do")
         return out / MANIFEST
-    (out / PREP).mkdir(parents=True, exist_ok=True)
-    if status == "fresh":
-        state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
-        write_atomic(out / STATE, _json(state))
+    unmarked = "nothing of this build is marked complete (no manifest)"
+    with write_errors("writing the build state", out, unmarked):
+        (out / PREP).mkdir(parents=True, exist_ok=True)
+        if status == "fresh":
+            state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
+            write_atomic(out / STATE, _json(state))
     logs_dir = (out / PREP / "logs").resolve()
     executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident), logs_dir)
     start = time.perf_counter()
@@ -306,8 +344,15 @@ def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
         if not quiet:
             where = f"; datatrove's own log: {log}" if log else ""
             print(f"prism prepare: tokenising into shards with datatrove ({d.tasks} tasks){where}", flush=True)
-        executor.run()
-    manifest_path = write_manifest(out)
+        with write_errors("writing shards", out, unmarked, kept=", the shards of finished tasks are kept"):
+            executor.run()
+    with write_errors(
+        f"writing {MANIFEST}",
+        out,
+        "every shard is written, the manifest is not",
+        kept=" (only the manifest is left to write)",
+    ):
+        manifest_path = write_manifest(out)
     if not quiet:
         m = read_json(manifest_path)
         t, secs = m["totals"], time.perf_counter() - start

@@ -17,14 +17,10 @@ weights through resolve_tag_dir and read_weights.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import os
 import random
-import resource
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +28,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from pipeline.atomic import write_atomic
+from pipeline.atomic import folder_write_problem, write_atomic, write_failure_cause
 from pipeline.config import Config, ConfigError, changed_keys
 
 LATEST = "latest"
@@ -177,20 +173,11 @@ def _tag_step(name: str) -> int | None:
 
 def check_writable(folder: Path) -> None:
     """The checkpoint folder can be created and written: otherwise one line naming the path and the cause."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        cause = e.strerror or str(e)
-        if isinstance(e, (FileExistsError, NotADirectoryError)) or e.errno in (errno.EEXIST, errno.ENOTDIR):
-            cause = "a parent of it is a regular file, not a folder"
+    if (cause := folder_write_problem(folder)) is not None:
         raise ConfigError(
             f"{folder}: cannot create or write the checkpoint folder ({cause}); point run.output_dir "
             f"(or checkpoint.dir) at a writable folder"
-        ) from None
+        )
 
 
 def resume_point(cfg: Config) -> Resume:
@@ -497,23 +484,7 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
 
 
 def _write_cause(e: BaseException, ckpt_dir: Path) -> str:
-    """The cause in words: the OS error if there is one (torch.save hides it in a RuntimeError), else what
-    the file system and the process limits say."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return "no space left on device" if seen.errno == errno.ENOSPC else (seen.strerror or str(seen)).lower()
-        seen = seen.__cause__ or seen.__context__
-    try:
-        fs = os.statvfs(ckpt_dir)
-        if fs.f_bavail * fs.f_frsize < (16 << 20):
-            return "no space left on device"
-    except OSError:
-        pass
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
-        return f"file too large (the process file-size limit, ulimit -f, is {limit} bytes)"
-    return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return write_failure_cause(e, ckpt_dir)
 
 
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
