@@ -2,8 +2,10 @@
 
 Layout: ``<checkpoint_dir>/step-0000123/`` holds DeepSpeed's ``mp_rank_XX_model_states.pt`` (its "module"
 entry is the model state dict; our client state rides along inside it) and ZeRO ``*_optim_states.pt``,
-plus ``config.yaml``. ``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp +
-rename) only after every rank has finished writing, so a checkpoint killed half-way is never picked up.
+plus ``config.yaml`` and ``integrity.json`` (every file's size and sha256, written last, atomically).
+``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp + rename) only after every rank
+has finished writing and the integrity record is on disk, so a checkpoint killed half-way is never picked up.
+Before a resume the record is checked; a damaged newest checkpoint falls back to the newest intact one kept.
 
 Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "config_hash"}}``. DeepSpeed writes it
 only from DP rank 0, so the per-rank parts of the train state (loader position, RNG states) are gathered to
@@ -15,9 +17,15 @@ weights through resolve_tag_dir and read_weights.
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
 import random
+import resource
 import shutil
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,7 @@ from pipeline.config import Config, ConfigError, changed_keys
 
 LATEST = "latest"
 CONFIG_NAME = "config.yaml"
+INTEGRITY = "integrity.json"  # {"files": {name: {"size", "sha256"}}, "step", "tp", "dp_size", "world_size"}
 MODEL_STATES = "mp_rank_00_model_states.pt"  # TP rank 0's weights; TP=N writes mp_rank_00 .. mp_rank_N-1
 
 
@@ -72,21 +81,259 @@ def resolve_tag_dir(path: str | Path) -> Path:
 
 
 def check_resume(cfg: Config) -> str | None:
-    """The tag to resume from (None for a fresh run); refuses when a model- or data-affecting key changed."""
-    tag = latest_tag(cfg.checkpoint_dir)
-    if tag is None:
+    """The tag to resume from (None for a fresh run); see resume_point for the checks."""
+    return resume_point(cfg).tag
+
+
+# --- integrity: what a complete checkpoint holds ----------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _hash_shared(paths: list[Path]) -> dict[str, str]:
+    """sha256 of every path, the work dealt round-robin over the ranks (a collective when there are several)."""
+    import torch.distributed as dist
+
+    rank, world = _world()
+    mine = {p.name: _sha256(p) for p in paths[rank::world]}
+    if world == 1:
+        return mine
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def write_integrity(tag_dir: Path, meta: dict[str, Any]) -> None:
+    """Every rank: hash the tag folder's files (shared out); rank 0 writes the record atomically, last."""
+    files = sorted(p for p in Path(tag_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+    files = [p for p in files if p.name != INTEGRITY]
+    hashes = _hash_shared(files)
+    if _world()[0] == 0:
+        record = {**meta, "files": {p.name: {"size": p.stat().st_size, "sha256": hashes[p.name]} for p in files}}
+        write_atomic(Path(tag_dir) / INTEGRITY, json.dumps(record, indent=1))
+
+
+def read_integrity(tag_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(tag_dir) / INTEGRITY).read_text())
+    except (OSError, ValueError):
         return None
-    saved_path = config_file(cfg.checkpoint_dir / tag)
-    saved = yaml.safe_load(saved_path.read_text())
-    changed = changed_keys(saved, cfg.to_dict())
+
+
+def verify(tag_dir: Path, hashes: bool = True) -> str | None:
+    """None if the tag folder matches its integrity record, else what is wrong (one phrase). Every rank
+    calls it together: the sha256 work is shared out."""
+    tag_dir = Path(tag_dir)
+    record = read_integrity(tag_dir)
+    if record is None:
+        return f"{INTEGRITY} is missing or unreadable (the save did not complete)"
+    present = []
+    for name, want in sorted(record["files"].items()):
+        path = tag_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the record says {want['size']} (truncated or overwritten)"
+        present.append(path)
+    if hashes:
+        got = _hash_shared(present)
+        for path in present:
+            if got[path.name] != record["files"][path.name]["sha256"]:
+                return f"{path.name} does not match its sha256 (corrupted)"
+    return None
+
+
+# --- choosing where to resume ---------------------------------------------------------------------------
+@dataclass
+class Resume:
+    """Where a run continues: ``tag`` None for a fresh start; ``finished`` when the saved step is the last."""
+
+    tag: str | None = None
+    step: int = 0
+    finished: bool = False
+    saved_dp_size: int | None = None
+    notes: list[str] = field(default_factory=list)  # one line each, printed by rank 0 (e.g. a fallback)
+
+
+def _tag_step(name: str) -> int | None:
+    if len(name) == len(tag_for(0)) and name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def check_writable(folder: Path) -> None:
+    """The checkpoint folder can be created and written: otherwise one line naming the path and the cause."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        cause = e.strerror or str(e)
+        if isinstance(e, (FileExistsError, NotADirectoryError)) or e.errno in (errno.EEXIST, errno.ENOTDIR):
+            cause = "a parent of it is a regular file, not a folder"
+        raise ConfigError(
+            f"{folder}: cannot create or write the checkpoint folder ({cause}); point run.output_dir "
+            f"(or checkpoint.dir) at a writable folder"
+        ) from None
+
+
+def resume_point(cfg: Config) -> Resume:
+    """Decide how ``cfg`` starts, before anything expensive: fresh, resume from the newest intact checkpoint
+    (falling back past damaged ones, saying so), a no-op for a finished run, or a one-line refusal (nothing
+    intact, a changed plan, an unsupported change of layout). Every rank calls it (hash checks are shared)."""
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    check_writable(ckpt_dir)
+    pointer = ckpt_dir / LATEST
+    named, limit, pointer_problem = None, None, None
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        if _tag_step(named) is None:
+            pointer_problem = f"{pointer} holds {named!r}, not a checkpoint tag"
+            named = None
+        elif not (ckpt_dir / named).is_dir():
+            pointer_problem = f"{pointer} names {named}, which does not exist"
+            named = None
+        else:
+            limit = _tag_step(named)
+    tags = sorted(
+        (p.name for p in ckpt_dir.glob("step-*") if p.is_dir() and _tag_step(p.name) is not None), reverse=True
+    )
+    if limit is not None:  # a user may repoint `latest` at an older tag to roll back: respect it
+        tags = [t for t in tags if _tag_step(t) <= limit]
+    damaged: list[str] = [pointer_problem] if pointer_problem else []
+    chosen = None
+    for tag in tags:
+        problem = verify(ckpt_dir / tag)
+        if problem and tag == named and not any((ckpt_dir / t / INTEGRITY).is_file() for t in tags):
+            problem = _legacy_problem(ckpt_dir / tag)  # a run from before integrity records existed
+        if problem is None:
+            chosen = tag
+            break
+        damaged.append(f"{tag}: {problem}")
+    if chosen is None:
+        if not pointer.exists():
+            return Resume()  # nothing was ever completed here: a fresh start (leftovers get overwritten)
+        raise ConfigError(
+            f"{ckpt_dir}: no intact checkpoint to resume from ({'; '.join(damaged)}); delete {ckpt_dir} to "
+            f"start the run over, or write an intact tag's name into {pointer}"
+        )
+    resume = Resume(tag=chosen, step=_tag_step(chosen))
+    if damaged:
+        resume.notes.append(
+            f"prism train: warning: {damaged[0]}; resuming from {chosen}, the newest intact checkpoint"
+            + (f" ({len(damaged) - 1} more damaged)" if len(damaged) > 1 else "")
+        )
+    _check_plan(cfg, ckpt_dir / chosen)
+    record = read_integrity(ckpt_dir / chosen) or {}
+    resume.saved_dp_size = record.get("dp_size")
+    resume.finished = resume.step >= cfg.steps(1)["total"]
+    if not resume.finished:
+        _check_layout_change(cfg, ckpt_dir / chosen, resume.saved_dp_size)
+    return resume
+
+
+def _legacy_problem(tag_dir: Path) -> str | None:
+    if not config_file(tag_dir).is_file():
+        return f"{CONFIG_NAME} is missing"
+    if not (tag_dir / MODEL_STATES).is_file():
+        return f"{MODEL_STATES} is missing"
+    return None
+
+
+# Keys that change the training trajectory without changing what the weights are: a resume refuses them
+# unless the user names them in checkpoint.allow_changes (e.g. a lower train.lr after a NaN).
+def _check_plan(cfg: Config, tag_dir: Path) -> None:
+    """Refuse a resume whose config changes the model, the data or the training plan, naming the key."""
+    from pipeline.config import PLAN_KEYS
+
+    saved_path = config_file(tag_dir)
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(
+            f"{saved_path}: unreadable ({e}); delete {tag_dir} or repoint {tag_dir.parent / LATEST}"
+        ) from None
+    now = cfg.to_dict()
+    fresh = "start fresh in another folder (run.output_dir=... or checkpoint.dir=...)"
+    changed = changed_keys(saved, now)
+    if "parallel.tp" in changed:  # before any weights load: say why, not just that it changed
+        raise ConfigError(
+            f"{saved_path}: cannot resume at parallel.tp={cfg.parallel.tp}, the checkpoint was written at "
+            f"parallel.tp={_lookup(saved, 'parallel.tp')}: its weights and optimizer state are split per "
+            f"tensor-parallel rank and resharding them is not supported (a data-parallel change is); resume with "
+            f"parallel.tp={_lookup(saved, 'parallel.tp')} or {fresh}"
+        )
     if changed:
         key = changed[0]
-        old, new = _lookup(saved, key), _lookup(cfg.to_dict(), key)
         raise ConfigError(
-            f"{saved_path}: cannot resume, {key} changed ({old!r} -> {new!r}) and it affects the model or data; "
-            f"restore it or use a new checkpoint.dir / run.output_dir"
+            f"{saved_path}: cannot resume, {key} changed ({_lookup(saved, key)!r} -> {_lookup(now, key)!r}) and it "
+            f"affects the model or data; restore it or {fresh}"
         )
-    return tag
+    allowed = set(cfg.checkpoint.allow_changes)
+    plan = [
+        k
+        for k in changed_keys(saved, now, scope=PLAN_KEYS)
+        if not any(k == a or k.startswith(a + ".") for a in allowed)
+    ]
+    if plan:
+        key = plan[0]
+        raise ConfigError(
+            f"{saved_path}: cannot resume, {key} changed ({_lookup(saved, key)!r} -> {_lookup(now, key)!r}) and it "
+            f"changes the training plan; restore it, accept it with checkpoint.allow_changes=[{key}], or {fresh}"
+        )
+
+
+def _check_layout_change(cfg: Config, tag_dir: Path, saved_dp: int | None) -> None:
+    """A resume at another data-parallel size: supported for ZeRO stages 1 and 2 (their optimizer partitions
+    are merged and re-split); anything else is refused here, before any weights load."""
+    _, world = _world()
+    dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
+    if saved_dp is None or dp is None or saved_dp == dp:
+        return
+    if cfg.parallel.zero_stage not in (1, 2):
+        raise ConfigError(
+            f"{tag_dir}: saved at data-parallel size {saved_dp}, this run has {dp}; resuming at another DP size "
+            f"is supported for parallel.zero_stage 1 and 2 only (stage {cfg.parallel.zero_stage} keeps its "
+            f"optimizer state in another layout); resume with {saved_dp * cfg.parallel.tp} processes"
+        )
+
+
+def finished_summary(cfg: Config, resume: Resume) -> dict[str, Any]:
+    """What `train` returns for a run whose last step is already checkpointed: nothing is trained."""
+    if _world()[0] == 0:
+        for note in resume.notes:
+            print(note, flush=True)
+        print(
+            f"prism train: {cfg.run_name} already finished: {cfg.checkpoint_dir / resume.tag} is step "
+            f"{resume.step} of {cfg.steps(1)['total']}; nothing to do (to train again, use another run.output_dir)",
+            flush=True,
+        )
+    return {
+        "steps": resume.step,
+        "total_steps": cfg.steps(1)["total"],
+        "tokens_seen": resume.step * cfg.train.batch_tokens,
+        "train_loss": float("nan"),
+        "val_loss": None,
+        "run_id": None,
+        "exit_reason": "already_finished",
+        "exit_code": 0,
+    }
 
 
 def _lookup(d: dict[str, Any], dotted: str) -> Any:
@@ -157,29 +404,116 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --- save / load (every rank calls these) -------------------------------------------------------------
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (disk full, file-size limit, permissions): one line, exit 2."""
+
+
 def save(engine: Any, cfg: Config, state: TrainState) -> str:
-    """Write tag ``step-NNNNNNN`` for ``state.step``; the per-rank parts are gathered over all ranks."""
+    """Write tag ``step-NNNNNNN`` for ``state.step``; the per-rank parts are gathered over all ranks.
+
+    Order: DeepSpeed's files and config.yaml, then the integrity record, then ``latest``; a failure on any
+    rank (agreed over all ranks) removes the partial folder and raises CheckpointWriteError."""
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     own = state.state_dict()
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {k: own[k] for k in TrainState.PER_RANK})
     tag = tag_for(state.step)
     ckpt_dir = cfg.checkpoint_dir
+    dp_size = parallel_state.get_data_parallel_world_size()
     client_state = {
         "tokens_seen": own["tokens_seen"],
         "run_id": own["run_id"],
-        "prism": {"step": own["step"], "ranks": ranks, "config_hash": cfg.hash(), "spec": cfg.model.spec},
+        "prism": {
+            "step": own["step"],
+            "ranks": ranks,
+            "config_hash": cfg.hash(),
+            "spec": cfg.model.spec,
+            "dp_size": dp_size,
+        },
     }
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if dist.get_rank() == 0:
-        write_atomic(config_file(ckpt_dir / tag), cfg.dump())
-    dist.barrier()  # every rank's files are on disk before the pointer moves
-    if dist.get_rank() == 0:
-        write_atomic(ckpt_dir / LATEST, tag)
-        prune(ckpt_dir, cfg.checkpoint.keep_last, keep=tag)
+    previous = _last_good(ckpt_dir)
+    if dist.get_rank() == 0 and (ckpt_dir / tag).exists():
+        shutil.rmtree(ckpt_dir / tag)  # left by a run rolled back past it, or damaged: never mix two saves
     dist.barrier()
+    failure = None
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    except (OSError, RuntimeError) as e:
+        failure = e
+        dist.barrier()  # DeepSpeed's closing barrier, which the other ranks wait in, was skipped here
+    try:
+        if failure is None and dist.get_rank() == 0:
+            write_atomic(config_file(ckpt_dir / tag), cfg.dump())
+    except OSError as e:
+        failure = e
+    _agree_on_failure(failure, ckpt_dir, tag, previous)
+    try:
+        meta = {"step": own["step"], "tp": cfg.parallel.tp, "dp_size": dp_size, "world_size": dist.get_world_size()}
+        write_integrity(ckpt_dir / tag, meta)  # collective; every file is on disk (barrier in agree)
+    except OSError as e:
+        failure = e
+    _agree_on_failure(failure, ckpt_dir, tag, previous)
+    try:
+        if dist.get_rank() == 0:
+            write_atomic(ckpt_dir / LATEST, tag)
+            prune(ckpt_dir, cfg.checkpoint.keep_last, keep=tag)
+    except OSError as e:
+        failure = e
+    _agree_on_failure(failure, ckpt_dir, tag, previous)
     return tag
+
+
+def _last_good(ckpt_dir: Path) -> str | None:
+    pointer = Path(ckpt_dir) / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, previous: str | None) -> None:
+    """A collective: if any rank failed to write, every rank raises the same one-line error; the partial
+    folder is removed so nothing half-written stays (and its space comes back). ``latest`` is untouched."""
+    import torch
+    import torch.distributed as dist
+
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    flag = torch.tensor([0.0 if failure is None else 1.0], device=on)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    causes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(causes, None if failure is None else _write_cause(failure, ckpt_dir))
+    if dist.get_rank() == 0:
+        shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+        if _last_good(ckpt_dir) == tag:  # the pointer itself may have been the write that failed
+            (Path(ckpt_dir) / LATEST).unlink(missing_ok=True)
+    dist.barrier()
+    cause = next(c for c in causes if c is not None)
+    kept = f"the last good checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+    raise CheckpointWriteError(
+        f"{cause} while writing checkpoint {tag} in {ckpt_dir}; {kept}; free space or point checkpoint.dir "
+        f"elsewhere, then resume"
+    )
+
+
+def _write_cause(e: BaseException, ckpt_dir: Path) -> str:
+    """The cause in words: the OS error if there is one (torch.save hides it in a RuntimeError), else what
+    the file system and the process limits say."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return "no space left on device" if seen.errno == errno.ENOSPC else (seen.strerror or str(seen)).lower()
+        seen = seen.__cause__ or seen.__context__
+    try:
+        fs = os.statvfs(ckpt_dir)
+        if fs.f_bavail * fs.f_frsize < (16 << 20):
+            return "no space left on device"
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"file too large (the process file-size limit, ulimit -f, is {limit} bytes)"
+    return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
 
 
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
@@ -190,23 +524,49 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
 
 
 def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
-    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included)."""
-    import torch.distributed as dist
+    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included).
 
-    path, client = engine.load_checkpoint(str(cfg.checkpoint_dir), tag=tag, load_lr_scheduler_states=False)
+    At another data-parallel size than the save (elastic resume, ZeRO 1/2): the module weights load as
+    usual, the optimizer's fp32 master weights and moments are merged from every saved partition and re-split
+    for the new DP size (pipeline.compat), the loader maps its position onto the new layout (data.ShardLoader)
+    and each rank takes the RNG states of the saved rank with its TP rank and DP rank modulo the old size."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from pipeline import compat
+
+    tp = cfg.parallel.tp
+    record = read_integrity(cfg.checkpoint_dir / tag) or {}
+    saved_dp = record.get("dp_size")
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    elastic = saved_dp is not None and saved_dp != dp
+    path, client = engine.load_checkpoint(
+        str(cfg.checkpoint_dir), tag=tag, load_lr_scheduler_states=False, load_optimizer_states=not elastic
+    )
     if path is None:
         raise ConfigError(
             f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
         )
     check_spec_matches(client, cfg, tag)
+    if elastic:
+        compat.load_zero_partitions_at_new_dp(engine, str(cfg.checkpoint_dir), tag)
     ranks = client["prism"]["ranks"]
-    if len(ranks) != dist.get_world_size():
+    saved_dp = saved_dp or len(ranks) // tp
+    if not elastic and len(ranks) != dist.get_world_size():
         raise ConfigError(
             f"{cfg.checkpoint_dir / tag}: saved by {len(ranks)} processes, this run has {dist.get_world_size()}; "
-            f"resume with the same number of processes (ZeRO shards are per DP rank)"
+            f"resume with the same number of processes"
         )
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    source = (dp_rank % saved_dp) * tp + tp_rank  # megatron orders ranks TP-innermost
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
-    state.load_state_dict({**shared, **ranks[dist.get_rank()]})
+    state.load_state_dict({**shared, **ranks[source]})
+    if elastic and dist.get_rank() == 0:
+        print(
+            f"prism train: elastic resume: {tag} was saved at data-parallel size {saved_dp}, continuing at {dp} "
+            f"(same global batch; optimizer partitions re-split, data position mapped)",
+            flush=True,
+        )
 
 
 def check_spec_matches(client: dict[str, Any], cfg: Config, tag: str) -> None:
@@ -241,6 +601,13 @@ def read_weights(tag_dir: Path) -> tuple[dict[str, Any], CheckpointInfo]:
         )
     if shards != [MODEL_STATES]:
         raise ConfigError(f"{tag_dir}: {MODEL_STATES} is missing; the checkpoint is incomplete")
+    want = ((read_integrity(tag_dir) or {}).get("files") or {}).get(MODEL_STATES)
+    size = (Path(tag_dir) / MODEL_STATES).stat().st_size
+    if want is not None and want["size"] != size:
+        raise ConfigError(
+            f"{tag_dir}: {MODEL_STATES} has {size} bytes, its integrity record says {want['size']} (truncated); "
+            f"use another checkpoint of the run"
+        )
     state = torch.load(Path(tag_dir) / MODEL_STATES, map_location="cpu", weights_only=False)
     weights = state.pop("module")
     if next(iter(weights)).startswith("module."):  # saved from a wrapper

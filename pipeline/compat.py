@@ -10,6 +10,10 @@ CPU equivalents, and only then: with CUDA present nothing here patches anything.
      rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
 
 Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
+
+Versions: 0.16.x (Python 3.11) and 0.19.x (Python 3.12) are tested; what differs between them is handled
+here (self_attention_extra_kwargs).
+
 Process groups, devices and collectives are plumbing, not quirks: pipeline.distributed.
 """
 
@@ -126,6 +130,23 @@ def set_model_parallel_rng_states(states: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states)
 
 
+# Keyword arguments that megatron's TransformerLayer hands its self-attention module beyond 0.16's, by the
+# release that added them: 0.19 passes the module's ``name`` (a label for logging / checkpoint naming).
+SELF_ATTENTION_NEW_KWARGS = ("name", "pp_layer_offset")
+
+
+def self_attention_extra_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra keyword arguments PrismSelfAttention forwards to megatron's SelfAttention: the known newer
+    ones. Anything else is an API change to look at here, not something to pass or drop blindly."""
+    unknown = sorted(set(extra) - set(SELF_ATTENTION_NEW_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"PrismSelfAttention: megatron-core passed unknown argument(s) {unknown}; "
+            "add them to pipeline/compat.py SELF_ATTENTION_NEW_KWARGS once checked"
+        )
+    return extra
+
+
 _SINGLE_RANK_GROUPS: list | None = None
 
 
@@ -235,3 +256,49 @@ def import_deepspeed():
     for name in ("DeepSpeed", "deepspeed"):  # DeepSpeed logs every step at INFO otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
     return deepspeed
+
+
+def load_zero_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None:
+    """Elastic resume for ZeRO stages 1/2: restore the optimizer's fp32 master weights and moments from a
+    checkpoint saved at another data-parallel size.
+
+    DeepSpeed 0.19's `load_checkpoint` refuses a DP change ("not currently supported") although its ZeRO-1/2
+    optimizer can merge and re-split partitions (`_restore_elastic_*`), but only from "elastic" files, and
+    its elastic save asserts a param-group "step" that torch's AdamW does not keep. So checkpoints stay in the
+    default (rigid) format and are converted here: each saved partition's optimizer state loses its
+    DP padding (only the last partition has any) and gets the step, then the optimizer's own merge runs.
+    Call after `engine.load_checkpoint(..., load_optimizer_states=False)` loaded the module weights."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        BASE_OPTIMIZER_STATE_STEP,
+        GROUP_PADDINGS,
+        OPTIMIZER_STATE_DICT,
+    )
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        raise TypeError(f"elastic resume needs a ZeRO-1/2 optimizer, got {type(optimizer).__name__}")
+    names = engine._get_all_zero_checkpoint_names(load_dir, tag, engine.bfloat16_enabled())  # the saved DP size
+    partitions = []
+    for name in names:
+        sd = torch.load(name, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
+        base = sd[BASE_OPTIMIZER_STATE]
+        if isinstance(base, dict):  # rigid: torch's state_dict, one padded flat partition per group
+            groups = []
+            for i, padding in enumerate(sd[GROUP_PADDINGS]):
+                state = base["state"][i]
+                groups.append(
+                    {
+                        k: v[: v.numel() - padding] if torch.is_tensor(v) and v.dim() == 1 and padding else v
+                        for k, v in state.items()
+                    }
+                )
+            sd[BASE_OPTIMIZER_STATE] = groups
+            step = groups[0].get("step", 0)
+            sd[BASE_OPTIMIZER_STATE_STEP] = float(step) if torch.is_tensor(step) else step
+        partitions.append(sd)
+    optimizer._load_global_state(partitions[0])
+    optimizer._restore_elastic_base_optimizer_state(partitions)
+    optimizer._restore_from_elastic_fp32_weights(partitions)
+    optimizer._link_all_hp_params()

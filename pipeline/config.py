@@ -149,6 +149,9 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
     keep_last: int = 2
+    # Plan keys (PLAN_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after a NaN;
+    # any other change of the plan, model or data is refused on resume.
+    allow_changes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,22 @@ EXECUTION_ONLY_DATA_KEYS = (
     "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
     "data.verify_on_start",
 )
+# Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
+# a resume refuses a change unless checkpoint.allow_changes names the key.
+PLAN_KEYS = (
+    "train.train_tokens",
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_fraction",
+    "train.weight_decay",
+    "train.beta1",
+    "train.beta2",
+    "train.eps",
+    "train.grad_clip",
+    "train.precision",
+    "parallel.zero_stage",
+    "parallel.replicate_indivisible_layers",
+)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -279,7 +298,25 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
             return False
         return any(k == s or k.startswith(s + ".") for s in scope)
 
-    return [k for k in keys if in_scope(k) and a.get(k) != b.get(k)]
+    def differs(k: str) -> bool:
+        if k not in a:  # saved before the key existed: that run had the default's behaviour
+            return b.get(k) != schema_default(k)
+        return a.get(k) != b.get(k)
+
+    return [k for k in keys if in_scope(k) and differs(k)]
+
+
+def schema_default(key: str) -> Any:
+    """The default of a flattened ``section.name`` key (``model.spec`` -> "local"); MISSING where none."""
+    section, _, name = key.partition(".")
+    cls = typing.get_type_hints(Config).get(section)
+    if not dataclasses.is_dataclass(cls):
+        return dataclasses.MISSING
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            return _plain(default)
+    return dataclasses.MISSING
 
 
 def _plain(value: Any) -> Any:
@@ -622,6 +659,9 @@ def _check_combinations(cfg: Config) -> None:
         fail("schedule.heads", str(e))
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
+    for key in cfg.checkpoint.allow_changes:
+        if key not in PLAN_KEYS:
+            fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(PLAN_KEYS)}")
 
 
 def _check_plan(cfg: Config) -> None:

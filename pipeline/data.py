@@ -103,6 +103,9 @@ class ShardLoader:
         self._check_sizes()
         self.prefetch = max(1, cfg.train.prefetch if prefetch is None else prefetch)
         self.position = Position()  # after the last batch handed to the caller
+        # Rows (sequences) per optimizer step over all DP ranks: fixed by the plan, whatever the DP size.
+        self.rows_per_step = cfg.train.batch_tokens // cfg.model.seq_len
+        self.transition: dict[str, Any] | None = None  # after a DP change: see load_state_dict
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -123,8 +126,11 @@ class ShardLoader:
 
     # order: pure functions of (seed, epoch, rank)
     def epoch_shards(self, epoch: int) -> list[int]:
+        return self._shards_of(epoch, self.dp_rank, self.dp_size)
+
+    def _shards_of(self, epoch: int, dp_rank: int, dp_size: int) -> list[int]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        mine = order[self.dp_rank :: self.dp_size][: self.shards_per_rank]
+        mine = order[dp_rank::dp_size][: len(self.shards) // dp_size]
         return [int(i) for i in mine]
 
     def row_order(self, epoch: int, shard: int) -> np.ndarray:
@@ -135,23 +141,82 @@ class ShardLoader:
 
     # position
     def state_dict(self) -> dict[str, Any]:
-        return {**asdict(self.position), "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.seed}
+        transition = None if self.transition is None else dict(self.transition)
+        return {
+            **asdict(self.position),
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seed": self.seed,
+            "transition": transition,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["dp_size"], state["seed"]) != (self.dp_size, self.seed):
+        """Restore a position saved by this rank, or by any rank of a run at another DP size.
+
+        After a DP change the rest of the saved epoch is a *transition*: the rows every old rank had still
+        to read, arranged step by step as the old run would have consumed them (old rank 0's rows of the
+        step, then rank 1's, ...), and each step's rows dealt to the new ranks in contiguous blocks. So every
+        optimizer step sees the same global batch the old run would have, no row is skipped or repeated
+        (except, at the epoch's very end, fewer than new-DP rows when the last step's rows do not divide),
+        and the next epoch starts in the new layout. All ranks of a run stand at the same position, so any
+        saved rank's state serves; a change during a transition nests (its unread rest becomes the source)."""
+        if state["seed"] != self.seed:
             raise DataError(
-                f"loader position was saved with DP={state['dp_size']}, seed={state['seed']}; this run has "
-                f"DP={self.dp_size}, seed={self.seed}; resume with the same number of data-parallel ranks"
+                f"loader position was saved with seed={state['seed']}; this run has seed={self.seed}; "
+                f"resume with the same run.seed"
             )
         self.close()
-        self.position = Position(**{k: int(state[k]) for k in asdict(Position())})
+        position = Position(**{k: int(state[k]) for k in asdict(Position())})
+        transition = state.get("transition")
+        if state["dp_size"] == self.dp_size:
+            self.position, self.transition = position, transition
+            return
+        for size in (state["dp_size"], self.dp_size):
+            if self.rows_per_step % size:
+                raise DataError(
+                    f"{self.rows_per_step} rows per step do not divide over {size} data-parallel ranks; resume "
+                    f"with a DP size that divides train.batch_tokens / model.seq_len"
+                )
+        source: dict[str, Any] = {"dp_size": int(state["dp_size"]), "epoch": position.epoch}
+        if transition is not None:
+            source["parent"] = transition
+        else:
+            source.update(shard_cursor=position.shard_cursor, row_cursor=position.row_cursor)
+        self.position = Position(position.epoch, 0, 0)
+        self.transition = {"source": source, "consumed": 0}
+
+    def _rest_per_rank(self, source: dict[str, Any]) -> list[np.ndarray]:
+        """Global row ids (shard * rows_per_shard + row) each rank of ``source['dp_size']`` had still to read
+        in ``source['epoch']``; equally many per rank."""
+        size, epoch = source["dp_size"], source["epoch"]
+        rows_per_shard = self.samples_per_shard * int(self.manifest["sequences_per_sample"])
+        if "parent" in source:  # the unread part of an earlier transition, dealt over ``size`` ranks
+            parent = source["parent"]
+            whole = _interleave(self._rest_per_rank(parent["source"]), self.rows_per_step)
+            return [share[parent["consumed"] :] for share in _deal(whole, size, self.rows_per_step)]
+        rest = []
+        for rank in range(size):
+            shards = self._shards_of(epoch, rank, size)[source["shard_cursor"] :]
+            ids = [shard * rows_per_shard + self.row_order(epoch, shard) for shard in shards]
+            flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+            rest.append(flat[source["row_cursor"] :])
+        return rest
+
+    def transition_rows(self) -> np.ndarray:
+        """This rank's rows of the transition (all of them, from its start): global row ids."""
+        whole = _interleave(self._rest_per_rank(self.transition["source"]), self.rows_per_step)
+        return _deal(whole, self.dp_size, self.rows_per_step)[self.dp_rank]
 
     # reading
-    def _produce(self, start: Position) -> None:
+    def _produce(self, start: Position, transition: dict[str, Any] | None = None) -> None:
         p = Position(**asdict(start))
         pending: list[np.ndarray] = []  # a batch may span two shards
         have = 0
         try:
+            if transition is not None:  # after a DP change: the rest of the epoch, then the new layout
+                pending, have, p = self._produce_transition(p, transition)
+                if pending is None:
+                    return
             while not self._stop.is_set():
                 shard_id = self.epoch_shards(p.epoch)[p.shard_cursor]
                 shard = read_shard(self.dataset_dir, self.manifest, self.split, self.shards[shard_id])
@@ -170,11 +235,40 @@ class ShardLoader:
                         after = Position(**asdict(p))
                         if after.row_cursor == len(order):  # at a shard's end, point at the next one
                             after = self._next_shard(after)
-                        if not self._put((batch, after)):
+                        if not self._put((batch, (after, None))):
                             return
                 p = self._next_shard(p)
         except BaseException as e:  # hand errors to the consumer instead of dying silently
             self._put((e, None))
+
+    def _produce_transition(self, p: Position, transition: dict[str, Any]) -> tuple[Any, int, Position]:
+        """Batches from this rank's transition rows; returns the unfinished batch's parts, their row count
+        and the position to continue from (the next epoch's start), or (None, 0, p) when stopped."""
+        rows = self.transition_rows()
+        rows_per_shard = self.samples_per_shard * int(self.manifest["sequences_per_sample"])
+        tables: dict[int, np.ndarray] = {}  # shards read so far, a few kept (the rows alternate between them)
+        pending: list[np.ndarray] = []
+        have, i = 0, transition["consumed"]
+        nxt = Position(p.epoch + 1, 0, 0)
+        while i < len(rows):
+            take = rows[i : i + self.batch_size - have]
+            for shard_id in dict.fromkeys((take // rows_per_shard).tolist()):
+                if shard_id not in tables:
+                    if len(tables) >= 8:
+                        tables.pop(next(iter(tables)))
+                    shard = read_shard(self.dataset_dir, self.manifest, self.split, self.shards[shard_id])
+                    tables[shard_id] = shard.reshape(-1, shard.shape[-1])
+            pending.append(np.stack([tables[r // rows_per_shard][r % rows_per_shard] for r in take.tolist()]))
+            have += len(take)
+            i += len(take)
+            if have == self.batch_size:
+                batch = np.concatenate(pending).astype(np.int64)
+                pending, have = [], 0
+                done = i == len(rows)
+                after = (nxt, None) if done else (p, {**transition, "consumed": i})
+                if not self._put((batch, after)):
+                    return None, 0, p
+        return pending, have, nxt
 
     def _next_shard(self, p: Position) -> Position:
         p = Position(p.epoch, p.shard_cursor + 1, 0)
@@ -194,7 +288,9 @@ class ShardLoader:
     def _start(self) -> None:
         self._stop.clear()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self.position,), daemon=True, name="prism-loader")
+        self._thread = threading.Thread(
+            target=self._produce, args=(self.position, self.transition), daemon=True, name="prism-loader"
+        )
         self._thread.start()
 
     def next_batch(self) -> np.ndarray:
@@ -204,7 +300,7 @@ class ShardLoader:
         if isinstance(batch, BaseException):
             self.close()
             raise batch
-        self.position = after
+        self.position, self.transition = after
         return batch
 
     def __iter__(self):
@@ -217,6 +313,28 @@ class ShardLoader:
             self._thread.join()
             self._thread = None
             self._queue = None
+
+
+def _interleave(per_rank: list[np.ndarray], rows_per_step: int) -> np.ndarray:
+    """One sequence from equally long per-rank row streams, step by step as a DP run consumes them: each
+    step's rows of rank 0, then of rank 1, ... (the last step may be short)."""
+    size, length = len(per_rank), len(per_rank[0]) if per_rank else 0
+    per = rows_per_step // size
+    full = length // per
+    stacked = np.stack(per_rank) if per_rank else np.zeros((0, 0), dtype=np.int64)
+    head = stacked[:, : full * per].reshape(size, full, per).transpose(1, 0, 2).reshape(-1)
+    return np.concatenate([head, stacked[:, full * per :].reshape(-1)])
+
+
+def _deal(rows: np.ndarray, size: int, rows_per_step: int) -> list[np.ndarray]:
+    """Split a step-ordered row sequence over ``size`` ranks: each step's rows in contiguous blocks; a short
+    last step is split evenly and its remainder (< size rows) dropped so every rank reads equally many."""
+    per = rows_per_step // size
+    full = len(rows) // rows_per_step
+    head = rows[: full * rows_per_step].reshape(full, size, per)
+    tail = rows[full * rows_per_step :]
+    each = len(tail) // size
+    return [np.concatenate([head[:, r, :].reshape(-1), tail[r * each : (r + 1) * each]]) for r in range(size)]
 
 
 def pinned(batch: np.ndarray) -> np.ndarray:

@@ -27,7 +27,14 @@ from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
 from pipeline.dataset import DataError, read_shard
-from pipeline.distributed import StopSignal, deepspeed_device_args, dp_sum, init_model_parallel, train_device
+from pipeline.distributed import (
+    StopSignal,
+    deepspeed_device_args,
+    dp_sum,
+    init_distributed,
+    init_model_parallel,
+    train_device,
+)
 
 EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
 
@@ -356,7 +363,7 @@ def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[f
         print(
             f"prism train: error: non-finite loss {result.loss} / grad norm {result.grad_norm} at step {step}; "
             f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
-            f"(lower train.lr or check the data, then resume)",
+            f"(lower train.lr with checkpoint.allow_changes=[train.lr], or check the data, then resume)",
             file=sys.stderr,
             flush=True,
         )
@@ -398,8 +405,12 @@ def train(cfg: Config) -> dict[str, Any]:
     from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
-    resume_tag = checkpoint.check_resume(cfg)
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
+    init_distributed(cfg.train.device)  # the resume checks share the checkpoint hashing out over the ranks
+    resume = checkpoint.resume_point(cfg)
+    if resume.finished:
+        return checkpoint.finished_summary(cfg, resume)
+    resume_tag = resume.tag
     manifest = data.read_manifest(cfg.data.dataset_dir)
     data.check_compatible(manifest, cfg)
     device = train_device(cfg)
@@ -432,6 +443,8 @@ def train(cfg: Config) -> dict[str, Any]:
     ranks = topology()  # a collective: every rank
     if master:
         print(f"prism train: {topology_line(ranks)}", flush=True)
+        for note in resume.notes:  # e.g. a damaged newest checkpoint and the one resumed from instead
+            print(note, flush=True)
         what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
         print(
             f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "

@@ -39,7 +39,9 @@ class PrismSelfAttention(SelfAttention):
     gets a 1-rank "TP group": its QKV/O weights and attention are whole on every TP rank, no collectives run,
     and the identical replicas see identical inputs and gradients."""
 
-    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None, pg_collection=None, **extra
+    ):
         from megatron.core.transformer.enums import AttnMaskType
 
         from pipeline import compat
@@ -54,6 +56,7 @@ class PrismSelfAttention(SelfAttention):
             attn_mask_type or AttnMaskType.padding,
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
+            **compat.self_attention_extra_kwargs(extra),  # e.g. 0.19's name=
         )
         if self.plan.replicated:
             compat.mark_replicated(self.parameters())

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.megatron_compat
 def test_tp2_matches_tp1(tmp_path):
     out = tmp_path / "tp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

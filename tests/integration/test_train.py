@@ -151,6 +151,7 @@ def test_train_refuses_a_dataset_built_with_another_tokenizer(tiny_data, tmp_pat
     assert len(err_lines) == 1 and "different tokenizer" in err_lines[0] and str(other) in err_lines[0]
 
 
+@pytest.mark.megatron_compat
 def test_single_process_trains_logs_and_checkpoints(reference):
     out, m, stdout = reference
     assert sorted(m) == list(range(1, STEPS + 1))
@@ -175,6 +176,7 @@ def test_single_process_trains_logs_and_checkpoints(reference):
     assert "embedding.word_embeddings.weight" in weights and not any(k.startswith("module.") for k in weights)
 
 
+@pytest.mark.megatron_compat
 def test_exact_resume_after_sigkill_tp1_zero1(reference, tiny_data, tmp_path):
     _, ref, _ = reference
     ov = overrides(tiny_data, tmp_path)
@@ -188,6 +190,7 @@ def test_exact_resume_after_sigkill_tp1_zero1(reference, tiny_data, tmp_path):
     assert got[STEPS]["val/loss"] == ref[STEPS]["val/loss"]
 
 
+@pytest.mark.megatron_compat
 def test_resume_refused_after_model_change(reference, tiny_data):
     from pipeline.train import train
 
@@ -219,6 +222,7 @@ def test_signal_checkpoints_at_step_boundary_and_exits_3(reference, tiny_data, t
     ]
 
 
+@pytest.mark.megatron_compat
 def test_tp2_zero2_matches_tp1_and_resumes_exactly(reference, tiny_data, tmp_path):
     _, ref, _ = reference
     tp2 = ["parallel.tp=2", "parallel.zero_stage=2"]

@@ -270,6 +270,18 @@ def test_changed_keys_names_model_and_data_keys_only():
     assert config.changed_keys(a, b) == ["model.ffn_hidden_size"]
 
 
+def test_changed_keys_treats_a_key_newer_than_the_saved_config_as_its_default():
+    """A checkpoint written before `model.spec` existed ran the local spec: resuming with the default is no change,
+    asking for another spec is."""
+    now = config.load("configs/tiny_prism.yaml").to_dict()
+    saved = config.load("configs/tiny_prism.yaml").to_dict()
+    del saved["model"]["spec"]
+    assert config.schema_default("model.spec") == "local"
+    assert config.changed_keys(saved, now) == []
+    now["model"]["spec"] = "transformer_engine"
+    assert config.changed_keys(saved, now) == ["model.spec"]
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         config.load(tmp_path / "nope.yaml")

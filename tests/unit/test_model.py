@@ -12,6 +12,8 @@ import torch
 from pipeline import config, distributed, schedule
 from pipeline.config import ConfigError
 
+pytestmark = pytest.mark.megatron_compat
+
 TINY = "configs/tiny_prism.yaml"
 SMALL = ["model.seq_len=64"]  # the tiny preset at a shorter context: same layers, faster
 

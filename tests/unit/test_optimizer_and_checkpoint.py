@@ -64,6 +64,7 @@ def test_weight_decay_groups_follow_nanogpt_embedding_decays_norms_do_not():
     assert all(not torch.equal(model.get_parameter(n).detach(), before[n]) for n in decayed)
 
 
+@pytest.mark.megatron_compat
 def test_train_state_round_trip_restores_counters_loader_and_every_rng():
     import pickle
     import random
@@ -126,3 +127,16 @@ def test_latest_resolves_tag_checkpoint_and_run_folders_through_one_function(tmp
             read()
     with pytest.raises(ConfigError, match="checkpoint not found"):
         resolve_tag_dir(tmp_path / "missing")
+
+
+def test_readers_refuse_truncated_weights_named_by_the_integrity_record(tmp_path):
+    import json
+
+    from pipeline.checkpoint import INTEGRITY, MODEL_STATES, read_weights
+
+    tag = tmp_path / "step-0000003"
+    tag.mkdir()
+    (tag / MODEL_STATES).write_bytes(b"x" * 10)
+    (tag / INTEGRITY).write_text(json.dumps({"files": {MODEL_STATES: {"size": 20, "sha256": "0"}}}))
+    with pytest.raises(ConfigError, match=r"has 10 bytes, its integrity record says 20 \(truncated\)"):
+        read_weights(tag)
