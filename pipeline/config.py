@@ -61,6 +61,8 @@ class ModelConfig:
     # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
     # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
     spec: Literal["local", "transformer_engine"] = "local"
+    # megatron's fusion flags that run without TE (fused SwiGLU, bias-dropout-add): pipeline.model.fusions
+    fusions: Literal["none", "megatron"] = "none"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class TrainConfig:
     val_tokens: int = 1_048_576  # tokens of the val split used per evaluation (same for both arms)
     prefetch: int = 2
     peak_flops: float | None = None  # per device; None: look the device up in a table
+    compile: bool = False  # torch.compile the model (pipeline.model.fusions); off: it does not pay on CPU
 
 
 @dataclass(frozen=True)
@@ -250,14 +253,17 @@ MODEL_OR_DATA_KEYS = (
     "train.micro_batch_size",
     "data",
 )
-# Inside data, these only say how preparation is executed: changing them never changes the tokens.
-EXECUTION_ONLY_DATA_KEYS = (
+# How work is executed, not what it computes (the tokens, the weights): a change never blocks a resume.
+EXECUTION_ONLY_KEYS = (
     "data.executor",
     "data.tasks",
     "data.workers",
     "data.slurm",
     "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
     "data.verify_on_start",
+    # how the same math runs (kernels, fusions): the weights and their names do not change
+    "model.attention_backend",
+    "model.fusions",
 )
 # Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
 # a resume refuses a change unless checkpoint.allow_changes names the key.
@@ -294,7 +300,7 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
     keys = sorted(set(a) | set(b))
 
     def in_scope(k: str) -> bool:
-        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_DATA_KEYS):
+        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
             return False
         return any(k == s or k.startswith(s + ".") for s in scope)
 

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from pipeline import schedule
 from pipeline.config import Config, ConfigError
 from pipeline.distributed import tp_all_gather, train_device
+from pipeline.model.fusions import compile_model, megatron_fusion_flags
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def transformer_config(cfg: Config, *, meta: bool = False) -> PrismTransformerCo
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not on_cuda or meta,
         perform_initialization=not meta,
+        **megatron_fusion_flags(cfg),
     )
 
 
@@ -223,6 +225,8 @@ def build_model(cfg: Config, *, meta: bool = False):
         model.bfloat16()  # norms are created in fp32 otherwise
     if use_cuda(cfg) and not meta:
         model.cuda(torch.cuda.current_device())
+    if not meta:
+        compile_model(cfg, model)
     return model
 
 

@@ -268,6 +268,9 @@ def test_changed_keys_names_model_and_data_keys_only():
         "configs/tiny_prism.yaml", ["model.ffn_hidden_size=528", "train.log_every=1", "data.tasks=4"]
     ).to_dict()
     assert config.changed_keys(a, b) == ["model.ffn_hidden_size"]
+    # kernels and fusions run the same weights: a resume may switch them
+    c = config.load("configs/tiny_prism.yaml", ["model.fusions=megatron", "model.attention_backend=math"]).to_dict()
+    assert config.changed_keys(a, c) == []
 
 
 def test_changed_keys_treats_a_key_newer_than_the_saved_config_as_its_default():

@@ -14,7 +14,7 @@ import types
 import pytest
 import yaml
 
-from pipeline import config
+from pipeline import config, distributed
 from pipeline.config import ConfigError
 
 PRESET = "configs/tiny_prism.yaml"
@@ -91,6 +91,7 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step-0000002").mkdir()
     (tmp_path / "step-0000002" / "config.yaml").write_text(cfg.dump())
+    (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")  # a checkpoint without a record
     (tmp_path / "latest").write_text("step-0000002")
     assert checkpoint.check_resume(cfg) == "step-0000002"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
@@ -106,15 +107,12 @@ def test_checkpoint_records_the_spec_and_load_refuses_another(tmp_path):
         def save_checkpoint(self, save_dir, tag, client_state, save_latest):
             self.client_state = client_state
 
-        def load_checkpoint(self, load_dir, tag, load_lr_scheduler_states):
+        def load_checkpoint(self, load_dir, tag, load_lr_scheduler_states, load_optimizer_states):
             return load_dir, self.client_state
 
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    engine = Engine()
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
+    distributed.init_model_parallel(1, cfg.run.seed)  # load asks megatron for the data-parallel layout
+    engine = Engine()
     checkpoint.save(engine, cfg, checkpoint.TrainState(step=2))
     assert engine.client_state["prism"]["spec"] == "local"
     engine.client_state["prism"]["spec"] = "transformer_engine"  # as a TE run would have written it
