@@ -77,7 +77,7 @@ def trainer_step_times(cfg) -> list[float]:
 
     train(cfg)
     rows = [json.loads(line) for line in (cfg.checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time"] for r in rows]
+    return [r["perf/step_time"] for r in rows if "perf/step_time" in r]  # not the data/* row of a start
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 from pipeline import statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.metric_names import metric_history
 from pipeline.tracking import store
 
 ARMS = ("uniform", "prism")
@@ -70,7 +71,7 @@ DATA_ORDER_PARAMS = ("data.dataset_dir", "train.batch_tokens", "train.micro_batc
 
 
 def throughput(history: list[Any]) -> tuple[float, tuple[float, float]]:
-    """tokens_seen history -> (tokens/s after the first logged step, (first, last) timestamp in seconds).
+    """train/tokens_seen history -> (tokens/s after the first logged step, (first, last) timestamp in seconds).
 
     The first step is left out (it carries graph building and warm-up); validation and checkpoint time
     between logged steps stay in: this is what a run really takes per token. A gap between two logged
@@ -128,7 +129,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             continue
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
-        tokens_history = client.get_metric_history(rid, "tokens_seen")
+        tokens_history = metric_history(client, rid, "train/tokens_seen")  # or "tokens_seen" in older runs
         tokens = latest_per_step(tokens_history)
         batch_tokens = float(params.get("train.batch_tokens", "nan"))
         series = [(s, tokens.get(s, s * batch_tokens), v) for s, v in val.items()]

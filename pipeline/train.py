@@ -308,18 +308,18 @@ def log_step(
     mfu_causal = mfu_causal_attention(cfg, tok_s, peak, dist.get_world_size())
     metrics = {
         "train/loss": result.loss,
-        "lr": result.lr,
-        "grad_norm": result.grad_norm,
-        "tokens_per_sec": tok_s,
-        "step_time": result.seconds,
-        "tokens_seen": state.tokens_seen,
-        "memory_gb": memory_gb(device),
+        "train/lr": result.lr,
+        "train/grad_norm": result.grad_norm,
+        "train/tokens_seen": state.tokens_seen,
+        "perf/tokens_per_sec": tok_s,
+        "perf/step_time": result.seconds,
+        "perf/memory_gb": memory_gb(device),
     }
     if val_loss is not None:
         metrics["val/loss"] = val_loss
     if mfu is not None:
-        metrics["mfu"] = mfu
-        metrics["mfu_causal"] = mfu_causal
+        metrics["perf/mfu"] = mfu
+        metrics["perf/mfu_causal"] = mfu_causal
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
@@ -336,7 +336,7 @@ def log_step(
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
             + timing
             + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-            + f" | mem {metrics['memory_gb']:.2f} GB",
+            + f" | mem {metrics['perf/memory_gb']:.2f} GB",
             flush=True,
         )
 

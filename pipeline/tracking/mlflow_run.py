@@ -137,8 +137,8 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
-        if "tokens_seen" in metrics:
-            self.tokens_seen = int(metrics["tokens_seen"])
+        if "train/tokens_seen" in metrics:
+            self.tokens_seen = int(metrics["train/tokens_seen"])
         if "val/loss" in metrics:
             self._new_milestones(metrics["val/loss"], step)
         self.journal.append({"op": "metrics", "time": _now_ms(), "step": int(step), "metrics": metrics})

@@ -19,8 +19,8 @@ def expected_numbers(client, experiment):
     for run in client.search_runs([exp.experiment_id], filter_string="tags.kind = 'train'"):
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
-        tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
-        tps = throughput(client.get_metric_history(rid, "tokens_seen"))[0]
+        tokens = latest_per_step(client.get_metric_history(rid, "train/tokens_seen"))
+        tps = throughput(client.get_metric_history(rid, "train/tokens_seen"))[0]
         by_arm[run.data.tags["arm"]].append({"final": val[max(val)], "tps": tps, "val": val, "tokens": tokens})
     return by_arm
 

@@ -77,9 +77,10 @@ def test_dp2_checkpoint_resumes_at_another_dp_size(dp2, tiny_data, tmp_path, new
     got = metrics(tmp_path / "run")
     assert sorted(got) == list(range(1, 7))
     for s in (4, 5, 6):
-        assert got[s]["lr"] == ref[s]["lr"] and got[s]["tokens_seen"] == ref[s]["tokens_seen"] == s * 1024
+        assert got[s]["train/lr"] == ref[s]["train/lr"]
+        assert got[s]["train/tokens_seen"] == ref[s]["train/tokens_seen"] == s * 1024
         assert got[s]["train/loss"] == pytest.approx(ref[s]["train/loss"], rel=1e-4), s
-        assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=1e-3), s
+        assert got[s]["train/grad_norm"] == pytest.approx(ref[s]["train/grad_norm"], rel=1e-3), s
     assert got[6]["val/loss"] == pytest.approx(ref[6]["val/loss"], rel=1e-4)
     # the data order the trainer followed is the loader's mapping, rank by rank
     _, info = checkpoint.read_weights(ckpt / STEP6)

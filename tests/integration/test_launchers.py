@@ -156,7 +156,7 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(
     assert len(runs) == 1, f"expected one MLflow run across the requeue, got {len(runs)}"
     history = client.get_metric_history(runs[0].info.run_id, "train/loss")
     assert sorted({m.step for m in history}) == list(range(1, steps + 1))
-    tokens = client.get_metric_history(runs[0].info.run_id, "tokens_seen")
+    tokens = client.get_metric_history(runs[0].info.run_id, "train/tokens_seen")
     assert max(m.value for m in tokens) == steps * BATCH_TOKENS
     assert runs[0].info.status == "FINISHED"
 

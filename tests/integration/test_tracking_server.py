@@ -21,7 +21,7 @@ from tests.unit.test_tracking import fake_val_losses, log_steps, tiny_cfg
 
 
 def assert_every_step_once(client, run_id, steps, losses):
-    for key in ("train/loss", "val/loss", "tokens_seen", "tokens_per_sec"):
+    for key in ("train/loss", "val/loss", "train/tokens_seen", "perf/tokens_per_sec"):
         per_step = {}
         for m in client.get_metric_history(run_id, key):
             per_step.setdefault(m.step, []).append(m.value)
@@ -108,18 +108,18 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         assert {
             "train/loss",
             "val/loss",
-            "lr",
-            "grad_norm",
-            "tokens_per_sec",
-            "step_time",
-            "tokens_seen",
+            "train/lr",
+            "train/grad_norm",
+            "train/tokens_seen",
+            "perf/tokens_per_sec",
+            "perf/step_time",
         } <= keys
         assert any(k.startswith("system/") for k in keys)  # MLflow system metrics are on
         train = latest_per_step(client.get_metric_history(rid, "train/loss"))
         assert list(train) == list(range(1, TRACKED_STEPS + 1))
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
         assert {2, 4, 6} <= set(val) and max(val) == TRACKED_STEPS  # (+ step 3: the end of the first job)
-        tokens = latest_per_step(client.get_metric_history(rid, "tokens_seen"))
+        tokens = latest_per_step(client.get_metric_history(rid, "train/tokens_seen"))
         for x in TRACKED_MILESTONES:
             first = next((s for s, v in val.items() if v <= x), None)
             assert client.get_metric_history(rid, milestone_key(x, "step")) == []  # tags, not chart metrics

@@ -158,9 +158,11 @@ def test_single_process_trains_logs_and_checkpoints(reference):
     first, last = m[1], m[STEPS]
     assert last["train/loss"] < first["train/loss"] and math.isfinite(last["val/loss"])
     assert "val/loss" in m[3] and "val/loss" not in m[2]
-    for key in ("lr", "grad_norm", "tokens_per_sec", "step_time", "tokens_seen", "memory_gb"):
+    trained = ("train/lr", "train/grad_norm", "train/tokens_seen")
+    for key in (*trained, "perf/tokens_per_sec", "perf/step_time", "perf/memory_gb"):
         assert key in last
-    assert last["tokens_seen"] == STEPS * 1024
+    assert last["train/tokens_seen"] == STEPS * 1024
+    assert {key.split("/")[0] for key in last if key not in ("step", "time")} <= {"train", "val", "perf", "data"}
     assert "step      6/6 | tokens 6,144 | loss" in stdout and "| val " in stdout
     ckpt = checkpoint_dir(out)
     assert (ckpt / "latest").read_text() == f"step-{STEPS:07d}"
@@ -184,7 +186,7 @@ def test_exact_resume_after_sigkill_tp1_zero1(reference, tiny_data, tmp_path):
     got = metrics(tmp_path)
     for step in range(CKPT_EVERY + 1, STEPS + 1):  # bit-identical, not approximately equal
         assert got[step]["train/loss"] == ref[step]["train/loss"], step
-        assert got[step]["grad_norm"] == ref[step]["grad_norm"], step
+        assert got[step]["train/grad_norm"] == ref[step]["train/grad_norm"], step
     assert got[STEPS]["val/loss"] == ref[STEPS]["val/loss"]
 
 
@@ -229,20 +231,20 @@ def test_tp2_zero2_matches_tp1_and_resumes_exactly(reference, tiny_data, tmp_pat
     m = metrics(full)
     # Same data and math as TP=1: step 1 (same weights) agrees to fp32 reduction order; a missing mpu shows
     # up there as a ~40 % different grad norm. Later steps drift by summation order only.
-    assert (m[1]["train/loss"], m[1]["grad_norm"]) == pytest.approx(
-        (ref[1]["train/loss"], ref[1]["grad_norm"]), rel=1e-5
+    assert (m[1]["train/loss"], m[1]["train/grad_norm"]) == pytest.approx(
+        (ref[1]["train/loss"], ref[1]["train/grad_norm"]), rel=1e-5
     )
     assert losses(m) == pytest.approx(losses(ref), rel=2e-3)
-    assert losses(m, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=2e-3)
+    assert losses(m, "train/grad_norm") == pytest.approx(losses(ref, "train/grad_norm"), rel=2e-3)
     killed = tmp_path / "killed"
     ov = overrides(tiny_data, killed, *tp2)
     kill_after_checkpoint(ov, 2, killed)
     run(ov, nproc=2)
     got = metrics(killed)
     for step in range(CKPT_EVERY + 1, STEPS + 1):
-        assert (got[step]["train/loss"], got[step]["grad_norm"]) == (
+        assert (got[step]["train/loss"], got[step]["train/grad_norm"]) == (
             m[step]["train/loss"],
-            m[step]["grad_norm"],
+            m[step]["train/grad_norm"],
         )
 
 
@@ -288,9 +290,9 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     want_loss, want_norm = reference_loop(config.load(PRESET, ov), dp_size=2, steps=3)
     # step 1: same weights, same global batch; only the reduction order differs (a wrong DP averaging or
     # an unsplit batch would be off by far more)
-    assert (m[1]["train/loss"], m[1]["grad_norm"]) == pytest.approx((want_loss[0], want_norm[0]), rel=2e-4)
+    assert (m[1]["train/loss"], m[1]["train/grad_norm"]) == pytest.approx((want_loss[0], want_norm[0]), rel=2e-4)
     assert losses(m)[:3] == pytest.approx(want_loss, rel=2e-3)
-    assert losses(m, "grad_norm")[:3] == pytest.approx(want_norm, rel=2e-3)
+    assert losses(m, "train/grad_norm")[:3] == pytest.approx(want_norm, rel=2e-3)
 
 
 def test_nonfinite_loss_stops_with_exit_4_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):

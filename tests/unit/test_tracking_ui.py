@@ -34,7 +34,7 @@ def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read_old_
     cfg = tiny_cfg(tmp_path, overrides=["tracking.milestones=[7.0]"])
     tracker = MlflowTracker(cfg)
     new_id = tracker.start(cfg)
-    tracker.log_metrics({"train/loss": 7.0, "tokens_seen": 4096, "tokens_per_sec": 1.0}, 2)
+    tracker.log_metrics({"train/loss": 7.0, "train/tokens_seen": 4096, "perf/tokens_per_sec": 1.0}, 2)
     tracker.log_metrics({"val/loss": 6.9}, 2)
     tracker.finish()
     # A run logged before milestones became tags: the same values as metrics.

@@ -1,0 +1,34 @@
+"""The metric names Prism logs, and the names runs logged before the prefix scheme used.
+
+One prefix per kind, so MLflow's chart view files each kind in its own section:
+    train/  what the optimisation does: loss, lr, grad_norm, tokens_seen
+    val/    held-out loss
+    perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb
+    data/   the data plan of a start: epochs, tokens_per_epoch
+    eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
+
+Readers of old runs (`prism compare`) look a name up here: OLD_NAMES maps each renamed metric to the name it
+had before, and `metric_history` falls back to it when a run has no history under the new one.
+"""
+
+from typing import Any
+
+# new name -> the name runs logged before the prefix scheme (train/loss, val/loss, data/* and eval/* kept theirs)
+OLD_NAMES = {
+    "train/lr": "lr",
+    "train/grad_norm": "grad_norm",
+    "train/tokens_seen": "tokens_seen",
+    "perf/tokens_per_sec": "tokens_per_sec",
+    "perf/step_time": "step_time",
+    "perf/mfu": "mfu",
+    "perf/mfu_causal": "mfu_causal",
+    "perf/memory_gb": "memory_gb",
+}
+
+
+def metric_history(client: Any, run_id: str, name: str) -> list[Any]:
+    """MLflow history of metric ``name`` in a run; for a run logged with the old name, the old name's history."""
+    history = client.get_metric_history(run_id, name)
+    if not history and name in OLD_NAMES:
+        history = client.get_metric_history(run_id, OLD_NAMES[name])
+    return history
