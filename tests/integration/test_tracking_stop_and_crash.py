@@ -29,6 +29,7 @@ def test_ctrl_c_writes_a_checkpoint_exits_3_and_ends_the_run_killed(tiny_data, t
         "train.batch_tokens=1024",
         "train.micro_batch_size=8",
         "train.train_tokens=1024000",
+        "data.allow_repeat=true",  # a long budget to interrupt: past one epoch of the tiny data
         "train.log_every=1",
         "train.val_every=1000",
         "tracking.system_metrics=false",
