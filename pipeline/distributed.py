@@ -170,15 +170,6 @@ def tp_all_gather(tensor: Any, dim: int) -> Any:
     return torch.cat(parts, dim=dim)
 
 
-def dp_mean(value: Any, device: str) -> float:
-    """Mean of a scalar over the data-parallel group (TP peers already agree)."""
-    import torch
-    from megatron.core import parallel_state
-
-    t = torch.as_tensor(value, dtype=torch.float32, device=device).clone()
-    return float(dp_sum(t)) / parallel_state.get_data_parallel_world_size()
-
-
 def dp_sum(tensor: Any) -> Any:
     """Sum ``tensor`` in place over the data-parallel group; returns it."""
     import torch.distributed as dist
