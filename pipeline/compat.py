@@ -302,3 +302,155 @@ def load_zero_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None
     optimizer._restore_elastic_base_optimizer_state(partitions)
     optimizer._restore_from_elastic_fp32_weights(partitions)
     optimizer._link_all_hp_params()
+
+
+def remove_host_syncs(optimizer: Any) -> None:
+    """Make the DeepSpeed optimizer wrapper's step read nothing on the host, where we know how (bf16 / fp32
+    under ZeRO-1/2; the plain torch optimizer of ZeRO-0 reads nothing already). One sync remains for fp32
+    ZeRO-1/2, see zero_clip_without_host_reads."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, BF16_Optimizer):  # bf16 + fp32 gradient accumulation, ZeRO-1
+        sync_free_bf16_step(optimizer)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer):  # ZeRO-2 bf16, ZeRO-1/2 fp32
+        zero_clip_without_host_reads(optimizer)
+
+
+# Attributes of DeepSpeed's BF16_Optimizer that sync_free_bf16_step's replacement step reads or calls.
+_BF16_STEP_USES = (
+    "get_grads_for_norm", "mpu", "norm_type", "has_moe_layers", "clip_grad", "fp32_groups_gradients_flat",
+    "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition", "_uses_muon", "_prepare_muon_updates",
+    "optimizer", "grad_acc_dtype", "_lazy_init_hp_params_optimizer_state", "update_lp_params", "clear_hp_grads",
+)  # fmt: skip
+
+
+def sync_free_bf16_step(optimizer: Any) -> None:
+    """Replace ``step`` on this DeepSpeed ``BF16_Optimizer`` instance (not the class) by one that makes the same
+    update without reading anything on the host.
+
+    Mirrors ``BF16_Optimizer.step`` of DeepSpeed 0.19.8 line by line except for two ``if``s on device values,
+    each a host sync per optimizer step (the GPU waits idle for the CPU to queue the next step):
+      - ``if is_invalid_grad_norm(norm)``: skip the update of a NaN/inf step. Here no branch: a NaN/inf norm
+        (get_global_norm_of_tensors masks it to -1) gives a clip coefficient of 0 and the gradients are made
+        finite, so the update is made with zero gradients instead of skipped: the parameters stay finite, but
+        AdamW still decays its moments and counts the step (the trainer stops at the next read-back, exit 4,
+        and never checkpoints after such a step). ``_global_grad_norm`` is then inf on the device, and
+        ``overflow`` stays False (the engine's ``skipped_steps`` does not count the step; we don't read it).
+      - ``if clip_coef < 1`` in clip_tensors_by_global_norm: the coefficient min(1, max_norm / (norm + 1e-6))
+        (the same formula and eps) is multiplied in always; a factor of exactly 1.0 leaves the gradients as
+        they are, so the update is bit-identical to DeepSpeed's.
+    The fp32 gradient link, the optimizer step, lazy state init, the grad_acc_dtype cast and muon are
+    DeepSpeed's own code paths. After a DeepSpeed upgrade, re-mirror its step here;
+    tests/integration/test_host_sync.py compares this step's parameters with the installed DeepSpeed's own.
+    """
+    missing = [name for name in _BF16_STEP_USES if not hasattr(optimizer, name)]
+    if missing:
+        raise RuntimeError(
+            f"pipeline/compat.py sync_free_bf16_step: DeepSpeed's {type(optimizer).__name__} lacks {missing}; "
+            "its step changed, re-mirror it in sync_free_bf16_step"
+        )
+    import types
+
+    optimizer.step = types.MethodType(_bf16_step_without_host_reads, optimizer)
+
+
+@torch.no_grad()
+def _bf16_step_without_host_reads(self: Any, closure: Any = None) -> None:
+    from deepspeed.runtime.utils import get_global_norm_of_tensors, get_norm_with_moe_layers
+
+    if closure is not None:
+        raise NotImplementedError(f"{self.__class__} does not support closure.")
+
+    self.overflow = False  # not known on the host without a sync (see sync_free_bf16_step)
+    non_expert_grads_for_norm, expert_grads_for_norm = self.get_grads_for_norm()
+    non_expert_groups_norm = get_global_norm_of_tensors(
+        input_tensors=non_expert_grads_for_norm, mpu=self.mpu, norm_type=self.norm_type
+    )
+    all_groups_norm = non_expert_groups_norm
+    if self.has_moe_layers:
+        all_groups_norm = get_norm_with_moe_layers(
+            non_expert_groups_norm, mpu=self.mpu, expert_tensors=expert_grads_for_norm, norm_type=self.norm_type
+        )
+
+    # DeepSpeed: `if is_invalid_grad_norm(norm)` -> inf norm, clear the grads, return; `if clip_coef < 1` -> clip
+    invalid = ~torch.isfinite(all_groups_norm) | (all_groups_norm < 0)
+    self._global_grad_norm = torch.where(invalid, float("inf"), all_groups_norm)
+    clip_coef = torch.ones_like(all_groups_norm)
+    if self.clip_grad > 0.0:
+        clip_coef = (self.clip_grad / (all_groups_norm + 1e-6)).clamp(max=1.0)  # clip_tensors_by_global_norm's
+    clip_coef = torch.where(invalid, 0.0, clip_coef)
+    # The flat buffers hold every gradient DeepSpeed clips (per-parameter views into them) plus zeros (padding,
+    # parameters without a gradient this step): one kernel each instead of one per parameter. nan_to_num after
+    # the multiply: 0 * inf is NaN.
+    for flat_gradients in self.fp32_groups_gradients_flat:
+        flat_gradients.mul_(clip_coef).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    for param_partition, grad_partition in zip(
+        self.fp32_groups_flat_partition, self.fp32_groups_gradient_flat_partition
+    ):
+        # In case of grad acc dtype different than FP32, need to cast to high precision.
+        param_partition.grad = (
+            grad_partition.to(param_partition.dtype)
+            if grad_partition.dtype != param_partition.dtype
+            else grad_partition
+        )
+
+    if self._uses_muon:
+        self._prepare_muon_updates()
+    self.optimizer.step()
+
+    if self.grad_acc_dtype is not torch.float32:
+        for param_partition in self.fp32_groups_flat_partition:
+            param_partition.grad = None
+
+    # We need to link optimizer state after the first step() call
+    self._lazy_init_hp_params_optimizer_state()
+
+    self.update_lp_params()
+
+    self.clear_hp_grads()
+
+
+def zero_clip_without_host_reads(optimizer: Any) -> None:
+    """Replace ``unscale_and_clip_grads`` on this DeepSpeed ``DeepSpeedZeroOptimizer`` instance (ZeRO-1/2
+    without BF16_Optimizer) by one without the host read of DeepSpeed 0.19.8's, which it mirrors otherwise.
+
+    DeepSpeed's does ``if is_invalid_grad_norm(norm): norm = inf`` once per param group and step; here
+    torch.where does it on the device, so the scale is the same and the update bit-identical. A NaN/inf norm
+    gives a scale of 0, and the gradients are then made finite (DeepSpeed's 0 * NaN would leave NaN
+    gradients and poison the parameters, as in bf16 the step does not skip such a step): the parameters stay
+    finite and ``_global_grad_norm`` is inf (its own combine_grad_norm_groups). Not removed: in fp32 (not
+    bf16) ``step`` itself reads ``is_invalid_grad_norm`` once to skip a NaN step; changing that means
+    mirroring the whole 150-line step (offload, muon, zenflow), for a precision only CPU runs use.
+    """
+    missing = [name for name in ("clip_grad", "loss_scale") if not hasattr(optimizer, name)]
+    if missing or not hasattr(type(optimizer), "unscale_and_clip_grads"):
+        raise RuntimeError(
+            f"pipeline/compat.py zero_clip_without_host_reads: DeepSpeed's {type(optimizer).__name__} lacks "
+            f"{missing or ['unscale_and_clip_grads']}; re-mirror its unscale_and_clip_grads there"
+        )
+    import types
+
+    optimizer.unscale_and_clip_grads = types.MethodType(_zero_unscale_and_clip_without_host_reads, optimizer)
+
+
+def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list, total_norm: Any) -> None:
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+
+    # compute combined scale factor for this group
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.0:
+        # DeepSpeed: `if is_invalid_grad_norm(clip_norm): clip_norm = inf` (the -1 sentinel of a NaN/inf norm)
+        invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+        clip_norm = torch.where(invalid, float("inf"), total_norm)
+        # norm is in fact norm*scale
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * self.loss_scale
+
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            # an invalid norm scales by 1/inf = 0; nan_to_num after it, as 0 * inf is NaN
+            g.data.mul_(1.0 / combined_scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

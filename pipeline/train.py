@@ -116,6 +116,7 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
         mpu=compat.MegatronMpu(),
         config=deepspeed_config(cfg, grad_accum, dp_size),
     )
+    compat.remove_host_syncs(engine.optimizer)  # DeepSpeed's step reads the grad norm on the host otherwise
     log_optimizer_stepped(engine, optimizer)
     return engine, optimizer
 
