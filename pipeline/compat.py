@@ -360,7 +360,7 @@ def _bf16_step_without_host_reads(self: Any, closure: Any = None) -> None:
     from deepspeed.runtime.utils import get_global_norm_of_tensors, get_norm_with_moe_layers
 
     if closure is not None:
-        raise NotImplementedError(f"{self.__class__} does not support closure.")
+        raise NotImplementedError(f"{type(self).__name__}.step takes no closure")
 
     self.overflow = False  # not known on the host without a sync (see sync_free_bf16_step)
     non_expert_grads_for_norm, expert_grads_for_norm = self.get_grads_for_norm()
@@ -389,7 +389,7 @@ def _bf16_step_without_host_reads(self: Any, closure: Any = None) -> None:
     for param_partition, grad_partition in zip(
         self.fp32_groups_flat_partition, self.fp32_groups_gradient_flat_partition
     ):
-        # In case of grad acc dtype different than FP32, need to cast to high precision.
+        # the torch optimizer steps fp32 weights: gradients accumulated in bf16 are upcast for it
         param_partition.grad = (
             grad_partition.to(param_partition.dtype)
             if grad_partition.dtype != param_partition.dtype
@@ -404,7 +404,7 @@ def _bf16_step_without_host_reads(self: Any, closure: Any = None) -> None:
         for param_partition in self.fp32_groups_flat_partition:
             param_partition.grad = None
 
-    # We need to link optimizer state after the first step() call
+    # the torch optimizer's state exists from its first step on: link it to each parameter's fragment
     self._lazy_init_hp_params_optimizer_state()
 
     self.update_lp_params()
@@ -422,7 +422,8 @@ def zero_clip_without_host_reads(optimizer: Any) -> None:
     gradients and poison the parameters, as in bf16 the step does not skip such a step): the parameters stay
     finite and ``_global_grad_norm`` is inf (its own combine_grad_norm_groups). Not removed: in fp32 (not
     bf16) ``step`` itself reads ``is_invalid_grad_norm`` once to skip a NaN step; changing that means
-    mirroring the whole 150-line step (offload, muon, zenflow), for a precision only CPU runs use.
+    mirroring the whole 150-line step (offload, muon, zenflow), for a precision only CPU runs use. Nor with
+    train.grad_clip=0 in bf16: DeepSpeed then returns before scaling, and NaN gradients reach the weights.
     """
     missing = [name for name in ("clip_grad", "loss_scale") if not hasattr(optimizer, name)]
     if missing or not hasattr(type(optimizer), "unscale_and_clip_grads"):
@@ -439,13 +440,13 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
     if self.clip_grad == 0.0 and self.loss_scale == 1.0:
         return
 
-    # compute combined scale factor for this group
     combined_scale = self.loss_scale
     if self.clip_grad > 0.0:
         # DeepSpeed: `if is_invalid_grad_norm(clip_norm): clip_norm = inf` (the -1 sentinel of a NaN/inf norm)
+        total_norm = torch.as_tensor(total_norm, dtype=torch.float32)  # a float from a direct caller too
         invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
         clip_norm = torch.where(invalid, float("inf"), total_norm)
-        # norm is in fact norm*scale
+        # the norm of the loss-scaled gradients (the scale is 1 in bf16 and fp32)
         clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
         clip = torch.clamp(clip, min=1.0)
         combined_scale = clip * self.loss_scale

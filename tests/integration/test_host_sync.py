@@ -177,6 +177,19 @@ def test_nonfinite_step_reads_back_inf_and_keeps_weights_finite(monkeypatch, zer
     assert np.isfinite(later.loss) and np.isfinite(later.grad_norm)
 
 
+def test_sync_free_steps_refuse_a_deepspeed_without_what_they_mirror():
+    from types import SimpleNamespace
+
+    from pipeline import compat
+
+    changed = SimpleNamespace(clip_grad=1.0)  # e.g. an upgrade renamed the rest
+    with pytest.raises(RuntimeError, match=r"pipeline/compat.py sync_free_bf16_step: .*re-mirror"):
+        compat.sync_free_bf16_step(changed)
+    with pytest.raises(RuntimeError, match=r"pipeline/compat.py zero_clip_without_host_reads: .*re-mirror"):
+        compat.zero_clip_without_host_reads(changed)
+    assert "step" not in vars(changed)
+
+
 def test_adamw_kernels_by_device():
     from pipeline.train import adamw_implementation
 
