@@ -339,8 +339,8 @@ def load_bf16_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None
     order, zero padding at the end) cut into DP equal partitions; a rank's file holds its partition of the
     fp32 master weights and torch AdamW's state over it (exp_avg, exp_avg_sq of the same length; step).
     Every saved partition is read, joined in DP-rank order, cut to the params and re-split at this DP size
-    (reshard_flat_partitions); then the bf16 weights are refreshed from the masters and DeepSpeed's per-param
-    links (its fp32 views for each bf16 weight and its optimizer state) are rebuilt over the loaded tensors.
+    (reshard_flat_partitions); then DeepSpeed's per-param links (its fp32 views for each bf16 weight and its
+    optimizer state, read by safe_get_full_fp32_param and universal checkpoints) are rebuilt over them.
     Call after `engine.load_checkpoint(..., load_optimizer_states=False)` loaded the module weights."""
     import deepspeed.comm as ds_dist
     from deepspeed.checkpoint.constants import (
@@ -398,7 +398,8 @@ def load_bf16_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None
         }
     optimizer.optimizer.load_state_dict({"state": loaded_state, "param_groups": torch_states[0]["param_groups"]})
     optimizer.clip_grad = saved[0].get(CLIP_GRAD, optimizer.clip_grad)
-    optimizer.update_lp_params()  # bf16 weights = the loaded masters, all-gathered over DP (a collective)
+    # The bf16 weights came from the module file, written from these masters rounded: they match already.
+    # DeepSpeed's per-param views into the masters and the moments are rebuilt over the loaded tensors.
     optimizer._link_all_hp_params()
     optimizer._hp_optimizer_states_linked = False
     if loaded_state and all(loaded_state.values()):  # a checkpoint saved before any step has no moments yet
