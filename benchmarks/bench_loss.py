@@ -1,11 +1,11 @@
-"""Peak memory and time of the loss path: megatron's fp32 cross-entropy vs the chunked one, in one run.
+"""Peak memory and time of the loss path: megatron's fp32 cross-entropy vs the chunked projection + loss, in one run.
 
     python benchmarks/bench_loss.py                       # 124M shape (d 768, vocab 50304), micro-batch 4, seq 1024
     python benchmarks/bench_loss.py --dtype fp32 --batch 2
 
 The loss path is what `lm_loss` adds on top of the decoder: the (tied) output projection of the final
-hidden states [s, b, d], megatron's [s, b, V] -> [b, s, V] copy, the cross-entropy, and backward down to the
-hidden states and the weight. Arms run alternately in this process. Peak memory on CPU = the peak resident
+hidden states [s, b, d], (before) megatron's [s, b, V] -> [b, s, V] copy, the cross-entropy, and backward
+down to the hidden states and the weight. Arms run alternately in this process. Peak memory on CPU = the peak resident
 set size (VmHWM, reset through /proc/self/clear_refs before each repetition) minus the resident size before
 it: large tensors are mmap-ed by glibc and returned on free, so RSS follows the live tensors. On CUDA the
 allocator's max_memory_allocated is used. The figure to beat: the drop must be at least one fp32 copy of the
@@ -59,10 +59,10 @@ def megatron_path(hidden, weight, targets):
 
 
 def chunked_path(hidden, weight, targets):
-    """After: the model's labels path with the chunked loss hook on the [s, b, V] logits."""
-    from pipeline.model.loss import sequence_first_loss
+    """After: lm_loss projects and takes the loss a chunk of tokens at a time (pipeline.model.loss)."""
+    from pipeline.model.loss import linear_cross_entropy
 
-    return sequence_first_loss(None, targets, hidden @ weight.t()).mean()
+    return linear_cross_entropy(hidden, weight, targets.t())  # hidden is [s, b, d]
 
 
 def loss_path(path, hidden, weight, targets):

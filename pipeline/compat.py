@@ -181,6 +181,42 @@ def mark_replicated(parameters) -> None:
         p.tensor_model_parallel = False
 
 
+def output_layer_returns_hidden_states(model) -> None:
+    """Make GPTModel's forward end at the final (normed) hidden states: its output layer returns its input
+    instead of the [s, b, V/TP] logits, and the caller projects (pipeline.model.gpt: `lm_loss` chunk by
+    chunk, `logits` whole), applying the TP copy itself.
+
+    Relies on GPTModel's postprocess calling `output_layer(hidden, weight=..., runtime_gather_output=...)`
+    and, with no labels, returning its output transposed to [b, s, ...] (0.16 and 0.19 do). The output layer
+    features that would change that contract are off in Prism's configs; refused if ever on."""
+    layer = model.output_layer
+    unsupported = [
+        name
+        for name, on in [
+            ("sequence_parallel", layer.sequence_parallel),
+            ("gradient_accumulation_fusion", layer.gradient_accumulation_fusion),
+            ("defer_embedding_wgrad_compute", layer.config.defer_embedding_wgrad_compute),
+            ("mtp_num_layers", model.config.mtp_num_layers),
+            ("use_mup", getattr(model.config, "use_mup", False)),  # 0.19 scales the logits then
+        ]
+        if on
+    ]
+    if unsupported:
+        raise RuntimeError(f"pipeline/compat.py output_layer_returns_hidden_states: {unsupported} not supported")
+
+    def hand_over(input_, weight=None, runtime_gather_output=None):
+        return input_, None
+
+    layer.forward = hand_over
+
+
+def output_weight(model) -> torch.Tensor:
+    """This TP rank's output projection [V/TP, d]: the word embeddings when tied (GPTModel then allocates
+    no output weight), else the output layer's. ``model`` may be the DeepSpeed engine around the GPTModel."""
+    gpt = getattr(model, "module", model)
+    return gpt.embedding.word_embeddings.weight if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+
+
 # ======================================================================================================
 # DeepSpeed: the mpu adapter, the CPU comm-op build skip, environment defaults.
 # ======================================================================================================

@@ -190,7 +190,6 @@ def build_model(cfg: Config, *, meta: bool = False):
     from megatron.core.models.gpt import GPTModel
 
     from pipeline import compat
-    from pipeline.model.loss import use_chunked_loss
 
     check_tp_groups(cfg)
     compat.apply_cpu_shims()
@@ -218,7 +217,7 @@ def build_model(cfg: Config, *, meta: bool = False):
             position_embedding_type="none",  # RoPE is applied per layer (PrismSelfAttention)
         )
     model.prism_vocab_size = cfg.model.vocab_size  # logits() cuts the padding off
-    use_chunked_loss(model)  # lm_loss: chunked vocab-parallel cross-entropy on megatron's labels path
+    compat.output_layer_returns_hidden_states(model)  # lm_loss and logits() project: see pipeline.model.loss
     if not meta:
         pin_sdpa_kernel(cfg, model)
     if config.bf16 and not meta:
@@ -239,21 +238,35 @@ def pin_sdpa_kernel(cfg: Config, model) -> None:
         layer.self_attention.core_attention.sdpa_backend = sdpa_backend.pinned_backend(cfg)
 
 
+def _final_hidden_states(model, inputs: torch.Tensor) -> torch.Tensor:
+    """[b, s, d]: where the model ends (pipeline.compat.output_layer_returns_hidden_states), passed through
+    megatron's TP copy, whose backward sums the gradients of the vocab slices each TP rank projects to.
+    Applied here, on the contiguous [b, s, d]: megatron's all-reduce leaves a non-contiguous gradient (that
+    of the [s, b, d] -> [b, s, d] transpose) unreduced."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    device = next(model.parameters()).device
+    return copy_to_tensor_model_parallel_region(model(inputs.to(device, non_blocking=True), None, None))
+
+
 def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
     """[b, s, padded_vocab / TP]: this TP rank's slice of the logits."""
-    device = next(model.parameters()).device
-    return model(inputs.to(device), None, None)
+    from pipeline.compat import output_weight
+
+    return F.linear(_final_hidden_states(model, inputs), output_weight(model))
 
 
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
 
-    The model's loss hook is pipeline.model.loss's chunked one (build_model installs it): the logits stay
-    [s, b, V/TP] in the model's dtype, no fp32 or [b, s, V] copy of them is made."""
+    The output projection and the loss run a chunk of tokens at a time (pipeline.model.loss): neither the
+    [b, s, V] logits nor an fp32 copy of them is ever made."""
+    from pipeline.compat import output_weight
+    from pipeline.model.loss import linear_cross_entropy
+
     device = next(model.parameters()).device
-    inputs = tokens[:, :-1].to(device, non_blocking=True)
     targets = tokens[:, 1:].to(device, non_blocking=True)
-    return model(inputs, None, None, labels=targets).mean()  # megatron's labels path: logits stay [s, b, V]
+    return linear_cross_entropy(_final_hidden_states(model, tokens[:, :-1]), output_weight(model), targets)
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,30 @@
-"""Chunked vocab-parallel cross-entropy that never holds fp32 logits for the whole batch.
+"""Cross-entropy of the output projection a chunk of tokens at a time: the [tokens, V] logits never exist.
 
-megatron's `vocab_parallel_cross_entropy(logits.float(), ...)` makes an fp32 copy of the [b, s, V/TP] logits
-and keeps an fp32 softmax of the same size for backward: at 124M, micro-batch 16, that is 3.3 GB per copy.
-Here the logits stay in their own dtype; forward walks them a chunk of tokens at a time in fp32 and keeps
-only the per-token log-sum-exp; backward recomputes each chunk's softmax from the logits and the saved
-log-sum-exp and writes the gradient chunk by chunk. Peak extra memory: one fp32 chunk (CHUNK_ELEMENTS).
+megatron's labels path projects the final hidden states to [s, b, V/TP] logits in the model's dtype, and
+`vocab_parallel_cross_entropy(logits.float())` adds an fp32 copy of them and keeps an fp32 softmax for
+backward: at 124M, micro-batch 16, 0.8 GB of bf16 logits plus 3.3 GB per fp32 copy. Here the model hands
+over its final hidden states (pipeline.compat.output_layer_returns_hidden_states) and this loss projects
+one chunk of tokens, takes its log-sum-exp and target logit in fp32 and, when a gradient is wanted, forms
+that chunk's (softmax - onehot) / tokens at once and multiplies it into the hidden-state and weight
+gradients. The mean loss is a scalar, so backward only scales those gradients: the output projection costs
+the same three matmuls as unchunked, and the extra memory is one chunk (CHUNK_ELEMENTS) plus an fp32 sum
+of the weight gradient.
 
-Under TP each rank holds a vocab slice: the per-token local log-sum-exps and target logits are combined
-over the TP group with three all-reduces of [tokens] fp32 vectors (not per chunk), and backward needs no
-communication (d loss / d logit = softmax - onehot, both local to the slice).
+Under TP each rank holds a vocab slice of the weight: each chunk's log-sum-exp and target logit are
+combined over the TP group (three all-reduces of [chunk] vectors), and the sum over the slices of the
+hidden-state gradient is the backward of the TP copy applied before it (pipeline.model.gpt).
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
+import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MB (333 tokens of a 50304 vocab)
+# Logits per chunk (fp32 elements), by device. Each chunk adds its weight gradient into the fp32 sum: a
+# read and write of ~12 bytes per output weight. On a GPU (~200 flops per byte of memory bandwidth) that
+# stays under ~10 % of the projection's matmul time from ~4k tokens per chunk; on a CPU memory is short.
+CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 24}  # 5336 / 333 tokens of a 50304 vocab
+WEIGHT_GRAD_BLOCK = 1 << 22  # a chunk's weight gradient is added in blocks of vocab rows of this many elements
 
 
 def _tp_group():
@@ -33,75 +40,68 @@ def _tp_group():
     )
 
 
-def _chunks(tokens: int, vocab: int):
-    step = max(1, CHUNK_ELEMENTS // max(1, vocab))
+def _chunks(tokens: int, vocab: int, device: torch.device):
+    step = max(1, CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cpu"]) // max(1, vocab))
     for start in range(0, tokens, step):
         yield start, min(tokens, start + step)
 
 
-class ChunkedVocabParallelCE(torch.autograd.Function):
-    """Per-token loss [N] (fp32) of logits [N, V_local] (any float dtype) against int64 targets [N]."""
+def _chunk_lse_and_target(logits: torch.Tensor, local, in_slice, group, tp: int):
+    """fp32 log-sum-exp over the whole vocab and the target's logit, per token of one chunk."""
+    lse = torch.logsumexp(logits, dim=-1)
+    target = torch.where(in_slice, logits.gather(1, local[:, None]).squeeze(1), torch.zeros_like(lse))
+    if tp > 1:
+        import torch.distributed as dist
+
+        top = lse.clone()  # max-shifted sum of each slice's exps
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = torch.exp(lse - top)
+        dist.all_reduce(total, group=group)
+        lse = top + torch.log(total)
+        dist.all_reduce(target, group=group)  # exactly one rank holds each target
+    return lse, target
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy (fp32 scalar) of hidden [N, d] @ weight[V_local, d].T against int64 targets [N]."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, grad_in_logits: bool = False) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grads: bool):
         group, tp, rank = _tp_group()
-        n, vocab = logits.shape
-        first = rank * vocab  # this rank's vocab slice: [first, first + vocab)
-        local = targets - first
+        n, vocab = hidden.shape[0], weight.shape[0]
+        local = targets - rank * vocab  # this rank's vocab slice: [rank * vocab, (rank + 1) * vocab)
         in_slice = (local >= 0) & (local < vocab)
         local = torch.where(in_slice, local, torch.zeros_like(local))
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        target_logit = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for a, b in _chunks(n, vocab):
-            chunk = logits[a:b].float()
-            lse[a:b] = torch.logsumexp(chunk, dim=-1)
-            target_logit[a:b] = chunk.gather(1, local[a:b, None]).squeeze(1)
-        target_logit = torch.where(in_slice, target_logit, torch.zeros_like(target_logit))
-        if tp > 1:
-            import torch.distributed as dist
-
-            # log-sum-exp over the whole vocab from each rank's slice: max-shifted sum of exps
-            top = lse.clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            total = torch.exp(lse - top)
-            dist.all_reduce(total, group=group)
-            lse = top + torch.log(total)
-            dist.all_reduce(target_logit, group=group)  # exactly one rank holds each target
-        ctx.grad_in_logits = grad_in_logits
-        ctx.save_for_backward(logits, lse, local, in_slice)
-        return lse - target_logit
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        if with_grads:
+            grad_hidden = torch.empty_like(hidden)
+            # fp32 sum of the chunks' weight gradients: a bf16 running sum would round once per chunk
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for a, b in _chunks(n, vocab, hidden.device):
+            logits = F.linear(hidden[a:b], weight).float()
+            lse, target = _chunk_lse_and_target(logits, local[a:b], in_slice[a:b], group, tp)
+            total += (lse - target).sum()
+            if with_grads:
+                grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the chunk's logits
+                grad.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # - onehot
+                grad = grad.div_(n).to(hidden.dtype)  # d mean / d logit, in the dtype megatron's backward has
+                grad_hidden[a:b] = grad @ weight
+                rows = max(1, WEIGHT_GRAD_BLOCK // weight.shape[1])  # no [V, d] temporary per chunk
+                for v in range(0, vocab, rows):
+                    grad_weight[v : v + rows].add_(grad[:, v : v + rows].t() @ hidden[a:b])
+        if with_grads:  # backward only scales them (DeepSpeed's 1 / grad_accum: a power of two in the presets)
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / n
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        logits, lse, local, in_slice = ctx.saved_tensors
-        n, vocab = logits.shape
-        # The logits' own buffer can take the gradient when nothing else reads them after the loss (the
-        # model's internal logits): then backward allocates nothing of [N, V] size.
-        grad = logits if ctx.grad_in_logits else torch.empty_like(logits)
-        grad_loss = grad_loss.float()
-        for a, b in _chunks(n, vocab):
-            probs = torch.exp(logits[a:b].float() - lse[a:b, None])
-            probs.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # softmax - onehot
-            grad[a:b] = probs * grad_loss[a:b, None]
-        return grad, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None
 
 
-def sequence_first_loss(model, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """GPTModel.compute_language_model_loss replacement: per-token loss [b, s] from megatron's [s, b, V/TP]
-    logits and [b, s] labels, without the [s, b, V] -> [b, s, V] copy GPTModel makes when it returns logits."""
-    s, b = logits.shape[0], logits.shape[1]
-    flat = logits.reshape(s * b, logits.shape[-1])
-    # GPTModel never returns these logits on the labels path: backward may overwrite them with their gradient
-    per_token = ChunkedVocabParallelCE.apply(flat, labels.t().reshape(-1), True)
-    return per_token.view(s, b).t()
-
-
-def use_chunked_loss(model) -> None:
-    """Make ``model(inputs, None, None, labels=targets)`` use the chunked loss (megatron's own loss hook)."""
-    model.compute_language_model_loss = types.MethodType(sequence_first_loss, model)
-
-
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32) of this TP rank's logits [..., V/TP] against targets [...]."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return ChunkedVocabParallelCE.apply(flat, targets.reshape(-1)).mean()
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32) of hidden states [..., d] projected by this TP rank's output
+    weight [V/TP, d], against targets [...]; vocab-parallel under TP."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), with_grads)

@@ -14,7 +14,7 @@ from pipeline.model import build_model, capture_attention, lm_loss, logits
 from pipeline.model import loss as loss_module
 from pipeline.model.gpt import _forward_local_logits
 
-loss_module.CHUNK_ELEMENTS = 8 * 8192  # the chunked loss walks several chunks of tokens here
+loss_module.CHUNK_ELEMENTS["cpu"] = 8 * 8192  # the chunked loss walks several chunks of tokens here
 
 CONFIG = "configs/tiny_prism.yaml"
 SHORT = ["model.seq_len=64"]
