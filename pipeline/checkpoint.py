@@ -497,9 +497,9 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
 def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
     """Load tag into the engine and ``state`` (this rank's loader position and RNG states included).
 
-    At another data-parallel size than the save (elastic resume, ZeRO 1/2): the module weights load as
-    usual, the optimizer's fp32 master weights and moments are merged from every saved partition and re-split
-    for the new DP size (pipeline.compat), the loader maps its position onto the new layout (data.ShardLoader)
+    At another data-parallel size than the save (elastic resume, ZeRO 1/2, bf16 included): the module weights
+    load as usual, the optimizer's fp32 master weights and moments are merged from every saved partition and
+    re-split for the new DP size (pipeline.compat), the loader maps its position onto the new layout (data.ShardLoader)
     and each rank takes the RNG states of the saved rank with its TP rank and DP rank modulo the old size."""
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -296,7 +296,8 @@ def import_deepspeed():
 
 def load_zero_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None:
     """Elastic resume for ZeRO stages 1/2: restore the optimizer's fp32 master weights and moments from a
-    checkpoint saved at another data-parallel size.
+    checkpoint saved at another data-parallel size. bf16 at ZeRO-1 runs DeepSpeed's BF16_Optimizer, not its
+    ZeRO optimizer: load_bf16_partitions_at_new_dp; any other optimizer is refused in one line.
 
     DeepSpeed 0.19's `load_checkpoint` refuses a DP change ("not currently supported") although its ZeRO-1/2
     optimizer can merge and re-split partitions (`_restore_elastic_*`), but only from "elastic" files, and
@@ -310,11 +311,21 @@ def load_zero_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None
         GROUP_PADDINGS,
         OPTIMIZER_STATE_DICT,
     )
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from pipeline.config import ConfigError
+
     optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer):
+        return load_bf16_partitions_at_new_dp(engine, load_dir, tag)
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        raise TypeError(f"elastic resume needs a ZeRO-1/2 optimizer, got {type(optimizer).__name__}")
+        raise ConfigError(
+            f"{os.path.join(load_dir, tag)}: saved at data-parallel size {engine.loaded_checkpoint_dp_world_size}, "
+            f"this run has {engine.dp_world_size}, and its optimizer ({type(optimizer).__name__}) keeps a state that "
+            f"is not re-split for another DP size (only ZeRO-1/2's and bf16 ZeRO-1's is); resume with data-parallel "
+            f"size {engine.loaded_checkpoint_dp_world_size}"
+        )
     names = engine._get_all_zero_checkpoint_names(load_dir, tag, engine.bfloat16_enabled())  # the saved DP size
     partitions = []
     for name in names:
@@ -491,3 +502,94 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
         for g in grad if isinstance(grad, list) else [grad]:
             # an invalid norm scales by 1/inf = 0; nan_to_num after it, as 0 * inf is NaN
             g.data.mul_(1.0 / combined_scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def reshard_flat_partitions(saved: list[torch.Tensor], numel: int, partition_size: int, dp_rank: int) -> torch.Tensor:
+    """Partition ``dp_rank`` (of ``partition_size`` elements) of a flat param group saved as equal partitions
+    in DP-rank order at another DP size.
+
+    DeepSpeed flattens a param group, pads it with zeros at the end to a multiple of its alignment (which
+    grows with the DP size) and cuts it into equal partitions: the saved ones joined and cut to ``numel``
+    (the params' elements) are the group at any DP size; the new padding is zeros again."""
+    whole = torch.cat([t.reshape(-1) for t in saved])
+    if whole.numel() < numel:
+        raise ValueError(f"saved partitions hold {whole.numel()} elements, the group has {numel}")
+    part = whole.new_zeros(partition_size)
+    start = dp_rank * partition_size
+    piece = whole[start : max(start, min(start + partition_size, numel))]
+    part[: piece.numel()] = piece
+    return part
+
+
+def load_bf16_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None:
+    """Elastic resume for DeepSpeed's BF16_Optimizer (bf16 weights, fp32 masters and gradient sums, ZeRO-1).
+
+    Its own load reads only the file of its DP rank. Each param group is one flat tensor (the params in
+    order, zero padding at the end) cut into DP equal partitions; a rank's file holds its partition of the
+    fp32 master weights and torch AdamW's state over it (exp_avg, exp_avg_sq of the same length; step).
+    Every saved partition is read, joined in DP-rank order, cut to the params and re-split at this DP size
+    (reshard_flat_partitions); then DeepSpeed's per-param links (its fp32 views for each bf16 weight and its
+    optimizer state, read by safe_get_full_fp32_param and universal checkpoints) are rebuilt over them.
+    Call after `engine.load_checkpoint(..., load_optimizer_states=False)` loaded the module weights."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        CLIP_GRAD,
+        GROUP_PADDINGS,
+        OPTIMIZER_STATE_DICT,
+        PARTITION_COUNT,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+
+    from pipeline.config import ConfigError
+
+    optimizer = engine.optimizer
+    where = os.path.join(load_dir, tag)
+    names = engine._get_all_zero_checkpoint_names(load_dir, tag, True)  # one per saved DP rank, in order
+    missing = [os.path.basename(n) for n in names if not os.path.isfile(n)]
+    if missing:
+        raise ConfigError(
+            f"{where}: {missing[0]} is missing, the bf16 optimizer state of a saved DP rank (was the checkpoint "
+            f"written with another train.precision?); resume with data-parallel size "
+            f"{engine.loaded_checkpoint_dp_world_size} and the checkpoint's precision"
+        )
+    saved = [torch.load(n, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT] for n in names]
+    if any(sd[PARTITION_COUNT] != [len(saved)] * len(optimizer.bf16_groups) for sd in saved):
+        raise ConfigError(
+            f"{where}: its bf16 optimizer files do not form {len(saved)} partitions of "
+            f"{len(optimizer.bf16_groups)} param groups; resume with data-parallel size {len(saved)}"
+        )
+    torch_states = [sd[BASE_OPTIMIZER_STATE] for sd in saved]  # torch AdamW's state_dict over the partitions
+    loaded_state: dict[int, dict[str, Any]] = {}
+    for i, (params, master) in enumerate(zip(optimizer.bf16_groups, optimizer.fp32_groups_flat_partition)):
+        group = optimizer.real_dp_process_group[i]
+        dp_rank = ds_dist.get_rank(group=group)
+        numel = sum(p.numel() for p in params)
+        saved_numel = sum(sd[SINGLE_PARTITION_OF_FP32_GROUPS][i].numel() - sd[GROUP_PADDINGS][i] for sd in saved)
+        if saved_numel != numel:
+            raise ConfigError(
+                f"{where}: param group {i} holds {saved_numel} elements in the checkpoint, {numel} in this model; "
+                f"resume with the model it was saved with"
+            )
+
+        layout = (numel, master.numel(), dp_rank)  # the params' elements, this rank's partition: size, index
+        with torch.no_grad():
+            master.copy_(reshard_flat_partitions([sd[SINGLE_PARTITION_OF_FP32_GROUPS][i] for sd in saved], *layout))
+        # torch's state_dict numbers the params across groups; here each group has one (its flat partition)
+        index = torch_states[0]["param_groups"][i]["params"][0]
+        per_rank = [ts["state"].get(index, {}) for ts in torch_states]
+        saved_partition_shape = saved[0][SINGLE_PARTITION_OF_FP32_GROUPS][i].shape
+        loaded_state[index] = {
+            key: reshard_flat_partitions([state[key] for state in per_rank], *layout)
+            if torch.is_tensor(value) and value.shape == saved_partition_shape  # exp_avg, exp_avg_sq; not step
+            else value
+            for key, value in per_rank[0].items()
+        }
+    optimizer.optimizer.load_state_dict({"state": loaded_state, "param_groups": torch_states[0]["param_groups"]})
+    optimizer.clip_grad = saved[0].get(CLIP_GRAD, optimizer.clip_grad)
+    # The bf16 weights came from the module file, written from these masters rounded: they match already.
+    # DeepSpeed's per-param views into the masters and the moments are rebuilt over the loaded tensors.
+    optimizer._link_all_hp_params()
+    optimizer._hp_optimizer_states_linked = False
+    if loaded_state and all(loaded_state.values()):  # a checkpoint saved before any step has no moments yet
+        optimizer._lazy_init_hp_params_optimizer_state()
