@@ -94,9 +94,14 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, An
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": False},  # no per-step NaN read-back
-        # bf16 like the paper's codebase: fp32 master weights and micro-batch gradients summed in fp32, so the
-        # result does not depend on how many micro-batches (GPUs) make up a step
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if t.precision == "bf16" else {}),
+        # bf16 like the paper's codebase (and Megatron's default under bf16): fp32 master weights, micro-batch
+        # gradients summed in fp32 and all-reduced over DP in fp32, so a step does not depend on how many
+        # micro-batches or GPUs make it up (DeepSpeed would all-reduce in bf16; an elastic resume then drifts)
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+            if t.precision == "bf16"
+            else {}
+        ),
         "zero_allow_untested_optimizer": True,  # the client torch AdamW
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
