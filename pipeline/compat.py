@@ -12,7 +12,9 @@ CPU equivalents, and only then: with CUDA present nothing here patches anything.
 Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
 
 Versions: 0.16.x (Python 3.11) and 0.19.x (Python 3.12) are tested; what differs between them is handled
-here (self_attention_extra_kwargs).
+here (self_attention_extra_kwargs). GPTModel's forward ends at the final hidden states
+(output_layer_returns_hidden_states). DeepSpeed 0.19.8: its bf16 / ZeRO step is mirrored without host reads
+(remove_host_syncs) and its optimizer partitions are re-split for elastic resume.
 
 Process groups, devices and collectives are plumbing, not quirks: pipeline.distributed.
 """
@@ -366,10 +368,22 @@ def remove_host_syncs(optimizer: Any) -> None:
 
 # Attributes of DeepSpeed's BF16_Optimizer that sync_free_bf16_step's replacement step reads or calls.
 _BF16_STEP_USES = (
-    "get_grads_for_norm", "mpu", "norm_type", "has_moe_layers", "clip_grad", "fp32_groups_gradients_flat",
-    "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition", "_uses_muon", "_prepare_muon_updates",
-    "optimizer", "grad_acc_dtype", "_lazy_init_hp_params_optimizer_state", "update_lp_params", "clear_hp_grads",
-)  # fmt: skip
+    "get_grads_for_norm",
+    "mpu",
+    "norm_type",
+    "has_moe_layers",
+    "clip_grad",
+    "fp32_groups_gradients_flat",
+    "fp32_groups_flat_partition",
+    "fp32_groups_gradient_flat_partition",
+    "_uses_muon",
+    "_prepare_muon_updates",
+    "optimizer",
+    "grad_acc_dtype",
+    "_lazy_init_hp_params_optimizer_state",
+    "update_lp_params",
+    "clear_hp_grads",
+)
 
 
 def sync_free_bf16_step(optimizer: Any) -> None:
