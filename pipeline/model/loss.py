@@ -77,6 +77,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden)
             # fp32 sum of the chunks' weight gradients: a bf16 running sum would round once per chunk
             grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+            rows = max(1, WEIGHT_GRAD_BLOCK // weight.shape[1])  # added in blocks: no [V, d] temporary per chunk
         for a, b in _chunks(n, vocab, hidden.device):
             logits = F.linear(hidden[a:b], weight).float()
             lse, target = _chunk_lse_and_target(logits, local[a:b], in_slice[a:b], group, tp)
@@ -86,7 +87,6 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # - onehot
                 grad = grad.div_(n).to(hidden.dtype)  # d mean / d logit, in the dtype megatron's backward has
                 grad_hidden[a:b] = grad @ weight
-                rows = max(1, WEIGHT_GRAD_BLOCK // weight.shape[1])  # no [V, d] temporary per chunk
                 for v in range(0, vocab, rows):
                     grad_weight[v : v + rows].add_(grad[:, v : v + rows].t() @ hidden[a:b])
         if with_grads:  # backward only scales them (DeepSpeed's 1 / grad_accum: a power of two in the presets)
