@@ -26,6 +26,11 @@ def prism(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def train_tiny(tiny_data, *overrides: str) -> subprocess.CompletedProcess:
+    """`prism train` of the tiny preset on the session's dataset, with these overrides last."""
+    return prism("train", "configs/tiny_prism.yaml", *tiny_data.overrides, *TRAIN, *overrides)
+
+
 def copy_dataset(tiny_data, tmp_path) -> Path:
     dst = tmp_path / "dataset"
     shutil.copytree(tiny_data.dataset_dir, dst, ignore=shutil.ignore_patterns(".prep"))
@@ -44,14 +49,7 @@ def one_line_error(out: subprocess.CompletedProcess) -> str:
 def test_train_refuses_a_budget_beyond_one_epoch_before_building_the_model(tiny_data, tmp_path):
     one_epoch = plan.tokens_per_epoch(tiny_data.manifest, 1)
     over = (one_epoch // 1024 + 1) * 1024
-    out = prism(
-        "train",
-        "configs/tiny_prism.yaml",
-        *tiny_data.overrides,
-        *TRAIN,
-        f"train.train_tokens={over}",
-        f"run.output_dir={tmp_path}",
-    )
+    out = train_tiny(tiny_data, f"train.train_tokens={over}", f"run.output_dir={tmp_path}")
     line = one_line_error(out)
     assert f"train.train_tokens={over:,}" in line and f"{one_epoch:,} tokens at DP=1" in line
     assert "data.allow_repeat=true" in line
@@ -79,14 +77,8 @@ def test_manifest_missing_a_key_is_named_in_train_and_prepare_verify(tiny_data, 
     (ds / "manifest.json").write_text(json.dumps(manifest))
     line = one_line_error(prism("prepare", "--verify", str(ds)))
     assert "tokenizer.vocab_size is missing" in line
-    out = prism(
-        "train",
-        "configs/tiny_prism.yaml",
-        *tiny_data.overrides,
-        *TRAIN,
-        "train.train_tokens=2048",
-        f"data.dataset_dir={ds}",
-        f"run.output_dir={tmp_path / 'runs'}",
+    out = train_tiny(
+        tiny_data, "train.train_tokens=2048", f"data.dataset_dir={ds}", f"run.output_dir={tmp_path / 'runs'}"
     )
     assert "tokenizer.vocab_size is missing" in one_line_error(out)
 
@@ -98,11 +90,8 @@ def test_verify_on_start_finds_a_damaged_shard_before_step_1(tiny_data, tmp_path
     raw = bytearray(victim.read_bytes())
     raw[2000] ^= 0xFF
     victim.write_bytes(bytes(raw))
-    out = prism(
-        "train",
-        "configs/tiny_prism.yaml",
-        *tiny_data.overrides,
-        *TRAIN,
+    out = train_tiny(
+        tiny_data,
         "train.train_tokens=2048",
         f"data.dataset_dir={ds}",
         f"run.output_dir={tmp_path / 'runs'}",
