@@ -2,8 +2,10 @@
 
 Every section is a frozen dataclass; a YAML preset fills it. Loading rejects unknown keys, wrong types, missing
 required keys and impossible combinations with one line that names the file, the key and what is allowed.
-A loaded Config is valid and immutable: the head schedule is parsed once into `heads_per_layer`, and which
-layers run replicated under TP is decided once, in `layer_plan`. Derive a changed config with
+A loaded Config is valid and immutable. The head schedule is resolved once (a preset name, a list or the
+compact form) and judged once by `schedule.judge` with the config's real TP size and replication opt-in:
+`schedule_verdict` (violations, allowed warnings, the per-layer plan), `heads_per_layer` and `layer_plan`
+are that one answer. Derive a changed config with
 `from_dict(apply_overrides(cfg.to_dict(), [...]))`.
 """
 
@@ -17,6 +19,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,29 +171,31 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     source: str = field(default="<dict>", compare=False, repr=False)  # where it was loaded from; not hashed
-    # Derived once at construction, never dumped or hashed: the parsed schedule and the per-layer plan.
+    # Derived once at construction, never dumped or hashed: the parsed schedule, the rules' verdict on it and
+    # the per-layer plan (the verdict's).
     heads_per_layer: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    schedule_verdict: schedule.Verdict = field(init=False, compare=False, repr=False)
     layer_plan: tuple[schedule.LayerPlan, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_ranges(self)  # every number and name in range first: later rules divide by them
+        _check_ranges(self)  # every number and name in range first: the rules below divide by them
         try:
             heads = schedule.resolve(self.schedule.heads)
         except schedule.ScheduleError as e:
             raise ConfigError(f"{self.source}: schedule.heads: {e}") from None
-        object.__setattr__(self, "heads_per_layer", heads)  # frozen: the one place these are set
-        _check_combinations(self)  # first: the plan divides by parallel.tp and model.d_model
-        object.__setattr__(
-            self,
-            "layer_plan",
-            schedule.plan_layers(
-                heads,
-                self.model.d_model,
-                self.parallel.tp,
-                replicate_indivisible=self.parallel.replicate_indivisible_layers,
-            ),
+        verdict = schedule.judge(
+            heads,
+            self.model.d_model,
+            self.model.h_base,
+            self.parallel.tp,
+            allow_guideline_violations=self.schedule.allow_guideline_violations,
+            replicate_indivisible=self.parallel.replicate_indivisible_layers,
         )
-        _check_plan(self)
+        object.__setattr__(self, "heads_per_layer", heads)  # frozen: the one place these are set
+        object.__setattr__(self, "schedule_verdict", verdict)
+        object.__setattr__(self, "layer_plan", verdict.layers)
+        _check_combinations(self)
+        _check_replication(self)
 
     # --- derived names and paths (computed on read) -------------------------------------------------------------
     @property
@@ -608,7 +613,7 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_combinations(cfg: Config) -> None:
-    """Every rule across keys, the schedule's included (on cfg.heads_per_layer, parsed once)."""
+    """Every rule across keys, the schedule's included (its verdict, judged once)."""
     src, m, t, p = cfg.source, cfg.model, cfg.train, cfg.parallel
 
     def fail(key: str, msg: str) -> None:
@@ -652,17 +657,11 @@ def _check_combinations(cfg: Config) -> None:
     heads = cfg.heads_per_layer
     if len(heads) != m.num_layers:
         fail("schedule.heads", f"lists {len(heads)} layers but model.num_layers={m.num_layers}")
-    try:
-        schedule.validate(
-            heads,
-            m.d_model,
-            m.h_base,
-            p.tp,
-            allow_guideline_violations=cfg.schedule.allow_guideline_violations,
-            replicate_indivisible=p.replicate_indivisible_layers,
-        )
-    except schedule.ScheduleError as e:
-        fail("schedule.heads", str(e))
+    verdict = cfg.schedule_verdict
+    if verdict.errors:
+        fail("schedule.heads", verdict.error_line())
+    for line in verdict.warning_lines():
+        warnings.warn(line, stacklevel=2)
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
     for key in cfg.checkpoint.allow_changes:
@@ -670,8 +669,8 @@ def _check_combinations(cfg: Config) -> None:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(PLAN_KEYS)}")
 
 
-def _check_plan(cfg: Config) -> None:
-    """Rules on the per-layer plan, once it exists."""
+def _check_replication(cfg: Config) -> None:
+    """What replicated layers need from the rest of the config."""
     dropout = cfg.model.dropout
     if dropout and any(layer.replicated for layer in cfg.layer_plan):
         # TP ranks draw attention dropout from different RNG streams: replicas would diverge.

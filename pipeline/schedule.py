@@ -153,14 +153,19 @@ def validate(
     replicate_indivisible: bool = False,
 ) -> tuple[int, ...]:
     """Parse and check; raise ScheduleError on a hard rule (or a guideline unless allowed)."""
-    heads = parse(spec)
-    problems = check(heads, d_model, h_base, tp, replicate_indivisible=replicate_indivisible)
-    fatal = [v for v in problems if v.hard or not allow_guideline_violations]
-    if fatal:
-        raise ScheduleError(f"schedule {compact(heads)}: " + " | ".join(map(str, fatal)))
-    for v in problems:
-        warnings.warn(f"schedule {compact(heads)}: allowed {v}", stacklevel=2)
-    return heads
+    verdict = judge(
+        parse(spec),
+        d_model,
+        h_base,
+        tp,
+        allow_guideline_violations=allow_guideline_violations,
+        replicate_indivisible=replicate_indivisible,
+    )
+    if verdict.errors:
+        raise ScheduleError(verdict.error_line())
+    for line in verdict.warning_lines():
+        warnings.warn(line, stacklevel=2)
+    return verdict.heads
 
 
 # --- the per-layer plan: one replication decision for the model, the capture hook and the FLOP counter ---
@@ -178,6 +183,51 @@ def plan_layers(
     """Every layer's heads, head dim and whether its attention runs replicated under TP. Without the
     opt-in an indivisible layer is a 'tensor-parallel' rule violation (``check``), never replicated."""
     return tuple(LayerPlan(i + 1, h, d_model // h, replicate_indivisible and h % tp != 0) for i, h in enumerate(heads))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Everything the rules say about one schedule on one model: what a loaded config carries
+    (``Config.schedule_verdict``) and what ``prism schedule validate`` prints."""
+
+    heads: tuple[int, ...]
+    violations: tuple[Violation, ...]  # every rule and guideline broken, allowed or not
+    allow_guideline_violations: bool
+    layers: tuple[LayerPlan, ...]  # the per-layer plan (heads, head dim, replicated under TP)
+
+    @property
+    def errors(self) -> tuple[Violation, ...]:
+        return tuple(v for v in self.violations if v.hard or not self.allow_guideline_violations)
+
+    @property
+    def warnings(self) -> tuple[Violation, ...]:
+        """Guidelines broken with the config's permission (Table 5's ablations)."""
+        return tuple(v for v in self.violations if v not in self.errors)
+
+    def error_line(self) -> str:
+        return f"schedule {compact(self.heads)}: " + " | ".join(map(str, self.errors))
+
+    def warning_lines(self) -> list[str]:
+        return [f"schedule {compact(self.heads)}: allowed {v}" for v in self.warnings]
+
+
+def judge(
+    heads: Sequence[int],
+    d_model: int,
+    h_base: int,
+    tp: int = 1,
+    *,
+    allow_guideline_violations: bool = False,
+    replicate_indivisible: bool = False,
+) -> Verdict:
+    """The rules' answer for ``heads`` (parsed) on this model and TP size, with the replication opt-in."""
+    heads = tuple(heads)
+    return Verdict(
+        heads,
+        tuple(check(heads, d_model, h_base, tp, replicate_indivisible=replicate_indivisible)),
+        allow_guideline_violations,
+        plan_layers(heads, d_model, tp, replicate_indivisible=replicate_indivisible),
+    )
 
 
 # --- presets: the paper's schedules (Table 4) and the 124M ablations (Table 5) ------------------------

@@ -50,44 +50,56 @@ def _need_shape(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    allow = args.allow_guideline_violations
     if args.config:
-        from pipeline import config
-
-        cfg = config.load(args.config, [*args.overrides, *([f"schedule.heads={args.heads}"] if args.heads else [])])
-        m = cfg.model
-        d_model, layers, h_base, tp = (
-            m.d_model,
-            m.num_layers,
-            m.h_base,
-            args.tp if args.tp != 1 else cfg.parallel.tp,
-        )
-        heads, allow = cfg.heads_per_layer, allow or cfg.schedule.allow_guideline_violations
-        ffn, seq = m.ffn_hidden_size, m.seq_len
-    else:
-        _need_shape(args)
-        if not args.heads:
-            raise SystemExit("prism schedule validate: error: give --heads (or a CONFIG)")
-        d_model, layers, h_base, tp = args.d_model, args.layers, args.h_base, args.tp
-        heads = schedule.resolve(args.heads)
-        ffn, seq = int(round(8 * d_model / 3)), 1024
-    problems = schedule.check(heads, d_model, h_base, tp)
+        return _validate_config(args)
+    _need_shape(args)
+    if not args.heads:
+        raise SystemExit("prism schedule validate: error: give --heads (or a CONFIG)")
+    d_model, layers, h_base, tp = args.d_model, args.layers, args.h_base, args.tp
+    heads = schedule.resolve(args.heads)
     if len(heads) != layers:
         print(
             f"error: rule 'layers': the schedule lists {len(heads)} layers, the model has {layers}",
             file=sys.stderr,
         )
         return 2
-    fatal = [p for p in problems if p.hard or not allow]
-    for p in problems:
-        print(("error: " if p in fatal else "warning (allowed): ") + str(p), file=sys.stderr)
-    if fatal:
+    verdict = schedule.judge(heads, d_model, h_base, tp, allow_guideline_violations=args.allow_guideline_violations)
+    for p in verdict.violations:
+        print(("error: " if p in verdict.errors else "warning (allowed): ") + str(p), file=sys.stderr)
+    if verdict.errors:
         return 2
-    print(
-        f"schedule {schedule.compact(heads)} is valid for d_model={d_model}, {layers} layers, h_base={h_base}, TP={tp}"
-    )
-    print(schedule.layer_table(heads, d_model, ffn, seq))
+    _print_valid(verdict, d_model, layers, h_base, tp, int(round(8 * d_model / 3)), 1024)
     return 0
+
+
+def _validate_config(args: argparse.Namespace) -> int:
+    """The verdict the config carries: it was judged at load with the config's TP size and replication opt-in,
+    so this accepts exactly what `prism train` accepts. The flags become the overrides they stand for."""
+    from pipeline import config
+
+    flags = [f"schedule.heads={args.heads}"] if args.heads else []
+    flags += [f"parallel.tp={args.tp}"] if args.tp != 1 else []
+    flags += ["schedule.allow_guideline_violations=true"] if args.allow_guideline_violations else []
+    cfg = config.load(args.config, [*args.overrides, *flags])  # a broken rule: one line, exit 2
+    verdict, m = cfg.schedule_verdict, cfg.model
+    for p in verdict.warnings:
+        print(f"warning (allowed): {p}", file=sys.stderr)
+    _print_valid(verdict, m.d_model, m.num_layers, m.h_base, cfg.parallel.tp, m.ffn_hidden_size, m.seq_len)
+    return 0
+
+
+def _print_valid(verdict: schedule.Verdict, d_model: int, layers: int, h_base: int, tp: int, ffn: int, seq: int):
+    print(
+        f"schedule {schedule.compact(verdict.heads)} is valid for d_model={d_model}, {layers} layers, "
+        f"h_base={h_base}, TP={tp}"
+    )
+    replicated = [layer.number for layer in verdict.layers if layer.replicated]
+    if replicated:
+        print(
+            f"layer(s) {', '.join(map(str, replicated))} run replicated on every TP rank "
+            "(parallel.replicate_indivisible_layers)"
+        )
+    print(schedule.layer_table(verdict.heads, d_model, ffn, seq))
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -174,6 +174,20 @@ def test_layer_plan_decides_replication_once(overrides, replicated):
     assert [layer.number for layer in cfg.layer_plan] == list(range(1, 9))
 
 
+def test_the_config_carries_the_schedule_verdict_judged_with_its_replication_setting():
+    cfg = config.load("configs/tiny_prism.yaml", ["parallel.tp=2", "parallel.replicate_indivisible_layers=true"])
+    verdict = cfg.schedule_verdict
+    assert verdict.heads == cfg.heads_per_layer and verdict.violations == () and verdict.errors == ()
+    assert verdict.layers is cfg.layer_plan and [p.number for p in verdict.layers if p.replicated] == [1, 2]
+    # a guideline broken with the config's permission is a warning the config carries, not an error
+    with pytest.warns(UserWarning, match="allowed guideline 'staircase'"):
+        ablation = config.load(
+            "configs/tiny_prism.yaml", ["schedule.heads=3,6,12x6", "schedule.allow_guideline_violations=true"]
+        )
+    assert [v.rule for v in ablation.schedule_verdict.warnings] == ["staircase"]
+    assert ablation.schedule_verdict.errors == ()
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import schedule
+from pipeline import config, schedule
 from pipeline.cli import main
 
 PAPER_SHAPES = {  # preset -> (d_model, layers, h_base)
@@ -170,6 +170,59 @@ def test_cli_validate_exit_codes():
     assert bad.returncode == 2 and "monotonic" in bad.stderr
     tp = prism(*base, "3,3,6,6,8,8,12,12,12,12,12,12", "--tp", "2")
     assert tp.returncode == 2 and "layer(s) 1, 2" in tp.stderr
+
+
+def test_cli_validate_prints_the_verdict_the_config_carries():
+    """The repro of issue 21: the validator re-judged without the replication opt-in and refused what
+    `prism train` runs."""
+    out = prism(
+        "schedule", "validate", "configs/prism_124m.yaml", "parallel.tp=2", "parallel.replicate_indivisible_layers=true"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "3x2,6x2,8x2,12x6 is valid for d_model=768, 12 layers, h_base=12, TP=2" in out.stdout
+    assert "layer(s) 1, 2 run replicated on every TP rank" in out.stdout
+    # an allowed guideline violation: the config's warning, exit 0
+    out = prism(
+        "schedule", "validate", "configs/tiny_prism.yaml", "schedule.heads=3,6,12x6", "--allow-guideline-violations"
+    )
+    assert out.returncode == 0 and "warning (allowed): guideline 'staircase'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["parallel.tp=2"],
+        ["parallel.tp=2", "parallel.replicate_indivisible_layers=true"],
+        ["parallel.tp=4", "parallel.replicate_indivisible_layers=true"],
+        ["parallel.tp=2", "parallel.replicate_indivisible_layers=true", "model.dropout=0.1"],
+        ["--tp", "2"],
+        ["schedule.heads=6x4,12x4", "--tp", "2"],
+        ["schedule.heads=3,6,12x6"],
+        ["schedule.heads=3,6,12x6", "--allow-guideline-violations"],
+        ["--heads", "table5-config-6"],
+        ["--heads", "3x2,6x2,12x4", "run.arm=uniform"],
+    ],
+)
+def test_cli_validate_accepts_exactly_what_config_load_accepts(overrides):
+    flags = {"--tp": "parallel.tp", "--heads": "schedule.heads"}
+    dotted, rest = [], list(overrides)
+    while rest:
+        item = rest.pop(0)
+        if item == "--allow-guideline-violations":
+            dotted.append("schedule.allow_guideline_violations=true")
+        elif item in flags:
+            dotted.append(f"{flags[item]}={rest.pop(0)}")
+        else:
+            dotted.append(item)
+    try:
+        config.load("configs/tiny_prism.yaml", dotted)
+        loads = True
+    except config.ConfigError:
+        loads = False
+    out = prism("schedule", "validate", "configs/tiny_prism.yaml", *overrides)
+    assert (out.returncode == 0) == loads, out.stderr
+    assert out.returncode in (0, 2)
 
 
 def test_cli_show_prints_equal_totals_for_757m():
