@@ -5,7 +5,8 @@ required keys and impossible combinations with one line that names the file, the
 A loaded Config is valid and immutable. The head schedule is resolved once (a preset name, a list or the
 compact form) and judged once by `schedule.judge` with the config's real TP size and replication opt-in:
 `schedule_verdict` (violations, allowed warnings, the per-layer plan), `heads_per_layer` and `layer_plan`
-are that one answer. Derive a changed config with
+are that one answer. The config stores the schedule in its compact form, so its identity (dump, hash) is
+what it builds, however it was spelled. Derive a changed config with
 `from_dict(apply_overrides(cfg.to_dict(), [...]))`.
 """
 
@@ -191,7 +192,9 @@ class Config:
             allow_guideline_violations=self.schedule.allow_guideline_violations,
             replicate_indivisible=self.parallel.replicate_indivisible_layers,
         )
-        object.__setattr__(self, "heads_per_layer", heads)  # frozen: the one place these are set
+        # frozen: the one place these are set. The schedule is kept as what it builds, in compact form.
+        object.__setattr__(self, "schedule", dataclasses.replace(self.schedule, heads=schedule.compact(heads)))
+        object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "schedule_verdict", verdict)
         object.__setattr__(self, "layer_plan", verdict.layers)
         _check_combinations(self)
@@ -300,8 +303,9 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS) -> list[str]:
-    """Flattened keys under ``scope`` whose values differ between two config dicts."""
-    a, b = flatten(old), flatten(new)
+    """Flattened keys under ``scope`` whose values differ between two config dicts. The schedule is compared
+    as what it builds: a config saved before schedules were stored compactly may spell it another way."""
+    a, b = _resolved(flatten(old)), _resolved(flatten(new))
     keys = sorted(set(a) | set(b))
 
     def in_scope(k: str) -> bool:
@@ -315,6 +319,17 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
         return a.get(k) != b.get(k)
 
     return [k for k in keys if in_scope(k) and differs(k)]
+
+
+def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
+    """``schedule.heads`` in compact form where it resolves (left as written where it does not)."""
+    heads = flat.get("schedule.heads")
+    if isinstance(heads, str | list | tuple):
+        try:
+            flat = {**flat, "schedule.heads": schedule.compact(schedule.resolve(heads))}
+        except (schedule.ScheduleError, TypeError, ValueError):
+            pass
+    return flat
 
 
 def schema_default(key: str) -> Any:

@@ -1,0 +1,102 @@
+"""A config's identity is what it builds: every spelling of one schedule (a list, the compact form, a preset
+name) dumps and hashes the same, resumes the other's checkpoint and finds the other's finished run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline import checkpoint, config
+from pipeline.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny_prism.yaml"
+# one schedule of the tiny Prism shape, spelled three ways (compact, a list, a mix)
+SPELLINGS = ("3x2,6x2,12x4", "3,3,6,6,12,12,12,12", "3x2, 6, 6, 12x4")
+
+
+def tiny(tmp_path: Path, heads: str, *extra: str) -> config.Config:
+    return config.load(
+        TINY,
+        [
+            f"run.output_dir={tmp_path}",
+            f"schedule.heads={heads}",
+            "train.batch_tokens=1024",
+            "train.micro_batch_size=2",
+            "model.seq_len=128",
+            "train.train_tokens=6144",
+            *extra,
+        ],
+    )
+
+
+def test_every_spelling_of_one_schedule_dumps_and_hashes_the_same(tmp_path):
+    cfgs = [tiny(tmp_path, s) for s in SPELLINGS]
+    assert {c.hash() for c in cfgs} == {cfgs[0].hash()}
+    assert {c.dump() for c in cfgs} == {cfgs[0].dump()}
+    assert all(c.schedule.heads == "3x2,6x2,12x4" for c in cfgs)  # stored as what it builds, compact
+    assert tiny(tmp_path, "3x2,6x2,12x4").hash() != tiny(tmp_path, "6x2,12x6").hash()  # another model: another id
+    # a preset name is one more spelling of its schedule
+    named, written = (
+        config.load(ROOT / "configs" / "prism_124m.yaml", [f"schedule.heads={h}"])
+        for h in ("table5-config-6", "3,3,6,6,12,12,12,12,12,12,12,12")
+    )
+    assert named.hash() == written.hash() and named.schedule.heads == "3x2,6x2,12x8"
+
+
+def make_tag(cfg: config.Config, step: int) -> None:
+    """A checkpoint tag as a run of ``cfg`` leaves it (no engine: the resume decision reads only these)."""
+    tag = cfg.checkpoint_dir / checkpoint.tag_for(step)
+    tag.mkdir(parents=True)
+    (tag / checkpoint.MODEL_STATES).write_bytes(b"m" * 64)
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"o" * 64)
+    (tag / checkpoint.CONFIG_NAME).write_text(cfg.dump())
+    checkpoint.write_integrity(tag, {"step": step, "tp": 1, "dp_size": 1, "world_size": 1})
+    (cfg.checkpoint_dir / checkpoint.LATEST).write_text(tag.name)
+
+
+@pytest.mark.parametrize("saved, resumed", [(SPELLINGS[0], SPELLINGS[1]), (SPELLINGS[1], SPELLINGS[0])])
+def test_two_spellings_resume_each_other(tmp_path, saved, resumed):
+    make_tag(tiny(tmp_path, saved), 3)
+    assert checkpoint.resume_point(tiny(tmp_path, resumed)).tag == "step-0000003"
+    with pytest.raises(ConfigError, match=r"schedule\.heads changed"):  # a different model still is refused
+        checkpoint.resume_point(tiny(tmp_path, "6x2,12x6"))
+
+
+def test_a_checkpoint_saved_with_another_spelling_compares_by_what_it_builds(tmp_path):
+    """Checkpoints written before schedules were stored compactly hold the schedule as the user spelled it."""
+    now = tiny(tmp_path, SPELLINGS[0]).to_dict()
+    for old_spelling in ("3,3,6,6,12,12,12,12", [3, 3, 6, 6, 12, 12, 12, 12]):
+        saved = {**now, "schedule": {**now["schedule"], "heads": old_spelling}}
+        assert config.changed_keys(saved, now) == []
+    other = {**now, "schedule": {**now["schedule"], "heads": "6x2,12x6"}}
+    assert config.changed_keys(other, now) == ["schedule.heads"]
+
+
+def test_a_finished_run_is_found_under_either_spelling(tmp_path):
+    from mlflow.entities import RunStatus
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.demo import finished_run
+    from pipeline.tracking.store import run_uri
+
+    first = tiny(tmp_path, SPELLINGS[0])
+    client = MlflowClient(run_uri(first))
+    experiment = client.create_experiment(first.experiment, artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name=first.run_name, tags={"config_hash": first.hash()})
+    client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
+    for spelling in SPELLINGS:
+        assert finished_run(tiny(tmp_path, spelling)) == run.info.run_id  # demo and study skip it
+    assert finished_run(tiny(tmp_path, "6x2,12x6")) is None
+
+
+def test_study_sees_two_spellings_of_one_schedule_as_one_run(tmp_path):
+    from pipeline import study
+
+    paths = []
+    for i, heads in enumerate(SPELLINGS[:2]):
+        paths.append(tmp_path / f"arm{i}.yaml")
+        paths[-1].write_text(f"base: {TINY}\nschedule:\n  heads: '{heads}'\n")
+    with pytest.raises(ConfigError, match=r"two configs make the same run \(prism-tiny-s1\[3x2,6x2,12x4\]\)"):
+        study.plan([str(p) for p in paths], [1], [f"run.output_dir={tmp_path}"])
