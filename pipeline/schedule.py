@@ -261,28 +261,32 @@ def resolve(spec: str | Sequence[int]) -> tuple[int, ...]:
 
 
 # --- enumeration: every schedule that passes all rules (feeds sweeps) -------------------------------
-def enumerate_valid(d_model: int, layers: int, h_base: int, tp: int = 1) -> Iterator[tuple[int, ...]]:
-    """Yield every schedule satisfying all rules and guidelines, as non-decreasing stages of 2-4 layers
-    followed by a baseline stage of at least L/2 layers. Depth-first over stages, so it is fast."""
-    candidates = [h for h in range(1, h_base) if d_model % h == 0 and h % tp == 0 and _head_dim_ok(d_model // h)]
-    min_base = -(-layers // 2)  # ceil(L/2)
+def enumerate_valid(
+    d_model: int, layers: int, h_base: int, tp: int = 1, *, replicate_indivisible: bool = False
+) -> Iterator[tuple[int, ...]]:
+    """Yield every schedule that ``check`` passes, depth-first over stages.
 
-    def grow(prefix: tuple[int, ...], lowest_index: int) -> Iterator[tuple[int, ...]]:
+    A valid schedule never decreases and ends at h_base, so it is a run of stages with rising head counts
+    below h_base, then the baseline stage. The search appends one stage at a time and asks ``check`` about
+    the prefix completed with baseline layers. Whatever that completion breaks stays broken in every longer
+    prefix (a layer's own rules, a stage's length, a shrinking baseline), so a failed completion ends the
+    branch: the rules live in ``check`` alone, and the search stays fast."""
+
+    def broken(heads: tuple[int, ...]) -> bool:
+        return bool(check(heads, d_model, h_base, tp, replicate_indivisible=replicate_indivisible))
+
+    def grow(prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         rest = layers - len(prefix)
-        if rest >= min_base:
-            yield prefix + (h_base,) * rest
-        for ci in range(lowest_index, len(candidates)):
-            for run in (2, 3, 4):
-                if layers - len(prefix) - run >= min_base:
-                    yield from grow(prefix + (candidates[ci],) * run, ci + 1)
+        if broken(prefix + (h_base,) * rest):
+            return
+        yield prefix + (h_base,) * rest
+        lowest = prefix[-1] + 1 if prefix else 1
+        for h in range(lowest, h_base):
+            for run in range(1, rest):  # leave at least one baseline layer
+                yield from grow(prefix + (h,) * run)
 
-    if h_base % tp or d_model % h_base:
-        return
-    yield from grow((), 0)
-
-
-def _head_dim_ok(d_h: int) -> bool:
-    return d_h <= FREE_HEAD_DIM or (d_h <= MAX_HEAD_DIM and d_h & (d_h - 1) == 0)
+    if layers >= 1:
+        yield from grow(())
 
 
 # --- arithmetic per layer (the neutrality argument, and the MFU counter) ------------------------------

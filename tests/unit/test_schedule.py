@@ -126,6 +126,47 @@ def test_enumeration_is_exactly_the_valid_set(name):
         assert brute_force_124m() == set(found)
 
 
+def brute_force(d_model: int, layers: int, h_base: int, tp: int, **kw) -> set[tuple[int, ...]]:
+    """Every non-decreasing schedule of head counts 1..h_base that ``check`` passes (small shapes only)."""
+    import itertools
+
+    return {
+        heads
+        for heads in itertools.combinations_with_replacement(range(1, h_base + 1), layers)
+        if not schedule.check(heads, d_model, h_base, tp, **kw)
+    }
+
+
+@pytest.mark.parametrize(
+    "shape, kw",
+    [
+        ((192, 6, 12, 1), {}),  # the tiny preset's width and head counts, 6 layers
+        ((192, 6, 12, 2), {}),
+        ((192, 6, 12, 2), {"replicate_indivisible": True}),
+        ((96, 7, 6, 3), {}),
+        ((192, 4, 1, 1), {}),  # a baseline d_h of 192 breaks the head-dim guideline: nothing is valid
+        ((256, 6, 8, 4), {}),
+    ],
+)
+def test_enumeration_is_what_the_checker_accepts(shape, kw):
+    found = list(schedule.enumerate_valid(*shape, **kw))
+    assert len(found) == len(set(found)) and set(found) == brute_force(*shape, **kw)
+
+
+def test_the_enumerator_asks_the_checker(monkeypatch):
+    """One owner for the rules: a rule added to ``check`` reaches the enumerator without touching it."""
+    before = list(schedule.enumerate_valid(768, 12, 12))
+    real = schedule.check
+
+    def no_eight_heads(heads, *a, **kw):  # a made-up extra rule
+        extra = [schedule.Violation("no-eight", True, "8 heads")] if 8 in heads else []
+        return real(heads, *a, **kw) + extra
+
+    monkeypatch.setattr(schedule, "check", no_eight_heads)
+    after = list(schedule.enumerate_valid(768, 12, 12))
+    assert after == [h for h in before if 8 not in h] and len(after) < len(before)
+
+
 def test_enumeration_respects_tp():
     every = set(schedule.enumerate_valid(1536, 24, 16))
     at_tp4 = set(schedule.enumerate_valid(1536, 24, 16, tp=4))
