@@ -69,21 +69,39 @@ def _override_list(overrides: dict[str, Any] | list[str] | None) -> list[str]:
 
 
 def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str]) -> list[str | None]:
-    """None -> the preset's schedule; "all-valid" -> every schedule of the preset's shape; else a list."""
+    """None -> the preset's schedule; "all-valid" -> every schedule the preset's config accepts; else a list.
+
+    Each schedule is resolved by the config (a preset name such as paper-124m, a list or the compact form),
+    so the sweep accepts exactly what `prism train` accepts, and returns each one in compact form."""
     if schedules in (None, [], ()):
         return [None]
+    path = preset_path(arm, scale)
     if schedules == ALL_VALID:
-        base = config.load(preset_path(arm, scale), overrides)
-        m = base.model
+        base = config.load(path, overrides)
+        m, p = base.model, base.parallel
         found = [
-            schedule.compact(h) for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
+            schedule.compact(h)
+            for h in schedule.enumerate_valid(
+                m.d_model, m.num_layers, m.h_base, p.tp, replicate_indivisible=p.replicate_indivisible_layers
+            )
         ]
         if not found:
             raise ConfigError(f"sweep: schedules=all-valid found no valid schedule for {scale} (d_model {m.d_model})")
         return found
     if isinstance(schedules, str):
         raise ConfigError(f"sweep: schedules={schedules!r}; use a list of schedules, {ALL_VALID!r} or null")
-    return [schedule.compact(schedule.parse(s)) for s in schedules]
+    resolved = []
+    for spelled in schedules:
+        try:
+            resolved.append(config.load(path, [*overrides, f"schedule.heads={spelled}"]).schedule.heads)
+        except ConfigError as e:
+            raise ConfigError(f"sweep: arm {arm!r}, scale {scale!r}, schedule {spelled!r}: {e}") from None
+    repeated = sorted({h for h in resolved if resolved.count(h) > 1})
+    if repeated:  # two spellings of one schedule would train the same run twice, in one folder
+        raise ConfigError(
+            f"sweep: schedules name {', '.join(repeated)} more than once (two spellings of one schedule); list each once"
+        )
+    return resolved
 
 
 def build_grid(
@@ -105,10 +123,6 @@ def build_grid(
             point = GridPoint(arm, scale, int(seed), sched)
             extra = [f"run.seed={int(seed)}"]
             if sched is not None:
-                if arm == "uniform" and len(set(schedule.parse(sched))) > 1:
-                    raise ConfigError(
-                        f"sweep: arm 'uniform' cannot run schedule {sched}; sweep schedules with arms: [prism]"
-                    )
                 # The run name is {arm}-{scale}-s{seed} for every schedule: give each its own run folder.
                 out = config.load(preset_path(arm, scale), base_overrides).run.output_dir
                 extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]

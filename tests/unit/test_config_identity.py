@@ -1,5 +1,6 @@
 """A config's identity is what it builds: every spelling of one schedule (a list, the compact form, a preset
-name) dumps and hashes the same, resumes the other's checkpoint and finds the other's finished run."""
+name) dumps and hashes the same, resumes the other's checkpoint and finds the other's finished run. The sweep
+and the study resolve schedules through the config, so whatever `prism train` accepts, they accept."""
 
 from __future__ import annotations
 
@@ -89,6 +90,22 @@ def test_a_finished_run_is_found_under_either_spelling(tmp_path):
     for spelling in SPELLINGS:
         assert finished_run(tiny(tmp_path, spelling)) == run.info.run_id  # demo and study skip it
     assert finished_run(tiny(tmp_path, "6x2,12x6")) is None
+
+
+# --- sweep and study resolve schedules through the config ---------------------------------------------------
+def test_sweep_accepts_preset_names_and_refuses_what_the_config_refuses():
+    from launchers import sweep
+
+    grid = sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "table5-config-6"])
+    assert [p.schedule for p, _, _ in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
+    assert [c.schedule.heads for _, c, _ in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
+    # two spellings of one schedule would be one run trained twice in one folder
+    with pytest.raises(ConfigError, match="3x2,6x2,8x2,12x6 more than once"):
+        sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "3,3,6,6,8,8,12,12,12,12,12,12"])
+    # the uniform arm's constant-schedule rule is the config's: one line, naming the arm
+    with pytest.raises(ConfigError) as e:
+        sweep.build_grid(["uniform"], ["124m"], [1], ["paper-124m"])
+    assert "\n" not in str(e.value) and "'uniform' needs a constant schedule" in str(e.value)
 
 
 def test_study_sees_two_spellings_of_one_schedule_as_one_run(tmp_path):
