@@ -482,13 +482,17 @@ def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# The project's own presets: where a `base:` is looked for when it is not next to the file (a copied preset).
+PROJECT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A preset as one mapping: a top-level `base: FILE` (relative to this file) is read first and this
-    file's keys are deep-merged over it, so an arm overlay names only what differs from its scale's base."""
+    """A preset as one mapping: a top-level `base: FILE` is read first and this file's keys are deep-merged
+    over it, so an arm overlay names only what differs from its scale's base. FILE is looked for next to this
+    file, then in the project's configs/ (so a preset copied anywhere still finds base/tiny.yaml)."""
     path = Path(path)
     if not path.is_file():
-        where = f"{_seen[-1]}: base {path}" if _seen else str(path)
-        raise ConfigError(f"{where}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml")
+        raise ConfigError(f"{path}: config file not found; pass a YAML preset such as configs/tiny_prism.yaml")
     if path.resolve() in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
         raise ConfigError(f"{path}: base files form a cycle ({chain}); remove one base: key")
@@ -503,7 +507,14 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = data.pop("base")
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base: {base!r} must be a file name, e.g. base: base/124m.yaml")
-    return _deep_merge(read_yaml(path.parent / base, (*_seen, path.resolve())), data)
+    places = [path.parent / base, PROJECT_CONFIGS / base]
+    found = next((p for p in places if p.is_file()), None)
+    if found is None:
+        raise ConfigError(
+            f"{path}: base {base}: config file not found in {path.parent} or {PROJECT_CONFIGS}; "
+            "put it next to the preset or name a file under configs/"
+        )
+    return _deep_merge(read_yaml(found, (*_seen, path.resolve())), data)
 
 
 def _deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def test_base_is_deep_merged_relative_to_the_file_and_overrides_come_last(tmp_pa
 @pytest.mark.parametrize(
     "files, message",
     [
-        ({"c.yaml": "base: nope.yaml\n"}, "c.yaml: base {d}/nope.yaml: config file not found"),
+        ({"c.yaml": "base: nope.yaml\n"}, "c.yaml: base nope.yaml: config file not found in {d} or "),
         ({"c.yaml": "base: d.yaml\n", "d.yaml": "base: c.yaml\n"}, "c.yaml: base files form a cycle"),
         ({"c.yaml": "base: c.yaml\n"}, "c.yaml: base files form a cycle"),
         ({"c.yaml": "base: d.yaml\n", "d.yaml": "- a list\n"}, "d.yaml: the top level must be a mapping"),
@@ -137,6 +137,29 @@ def test_bad_base_gives_one_line_naming_the_file(tmp_path, files, message):
         config.load(tmp_path / "c.yaml")
     assert "\n" not in str(e.value) and message.format(d=tmp_path) in str(e.value)
     assert str(e.value).startswith(str(tmp_path))
+
+
+def test_a_copied_preset_finds_its_base_among_the_project_configs(tmp_path):
+    """Presets are overlays (`base: base/tiny.yaml`); a user copies one elsewhere to change it."""
+    from tests.unit.test_schedule import prism
+
+    copy = tmp_path / "mine" / "tiny_prism.yaml"
+    copy.parent.mkdir()
+    copy.write_text(Path("configs/tiny_prism.yaml").read_text())
+    assert config.load(copy).to_dict() == config.load("configs/tiny_prism.yaml").to_dict()
+    out = prism("schedule", "validate", str(copy))
+    assert out.returncode == 0 and "3x2,6x2,12x4 is valid" in out.stdout, out.stderr
+    # a base found next to the file wins over the project's
+    (copy.parent / "base").mkdir()
+    (copy.parent / "base" / "tiny.yaml").write_text(
+        f"base: {config.PROJECT_CONFIGS / 'base' / 'tiny.yaml'}\ntrain: {{lr: 1.0e-3}}\n"
+    )
+    assert config.load(copy).train.lr == 1e-3
+    # neither place has it: one line naming both, exit 2
+    copy.write_text(copy.read_text().replace("base/tiny.yaml", "base/nowhere.yaml"))
+    out = prism("schedule", "validate", str(copy))
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1
+    assert f"base base/nowhere.yaml: config file not found in {copy.parent} or {config.PROJECT_CONFIGS}" in out.stderr
 
 
 # --- one parse, one plan, immutable ---------------------------------------------------------------------
