@@ -1,0 +1,333 @@
+"""The one config object: schema, YAML loading (with `base:` overlays), dotted overrides, validation, hash.
+
+Every section is a frozen dataclass; a YAML preset fills it. Loading rejects unknown keys, wrong types, missing
+required keys and impossible combinations with one line that names the file, the key and what is allowed.
+A loaded Config is valid and immutable. The head schedule is resolved once (a preset name, a list or the
+compact form) and judged once by `schedule.judge` with the config's real TP size and replication opt-in:
+`schedule_verdict` (violations, allowed warnings, the per-layer plan), `heads_per_layer` and `layer_plan`
+are that one answer. The config stores the schedule in its compact form, so its identity (dump, hash) is
+what it builds, however it was spelled. Derive a changed config with
+`from_dict(apply_overrides(cfg.to_dict(), [...]))`.
+
+This package: the schema and the Config object here; `loading` (YAML, `base:`, overrides, type coercion),
+`rules` (the range table and the cross-key rules every Config passes at construction), `resume_keys`
+(which keys a resume may change). `from pipeline import config` gives all of their public names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pipeline import schedule
+
+REQUIRED: Any = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """One-line message: where, which key, what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    arm: Literal["uniform", "prism"]
+    scale: str  # "124m", "354m", "757m", "tiny"
+    seed: int = 1234
+    output_dir: str = "runs"  # run folder = output_dir / run_name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    d_model: int
+    h_base: int
+    ffn_hidden_size: int  # SwiGLU hidden, ~8/3 * d_model, so the MLP holds 8 d^2 weights
+    seq_len: int = 1024
+    vocab_size: int = 50257  # the tokenizer's size; the model pads to a multiple of 128 * TP
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    # sdpa: torch picks the kernel; flash | cudnn | efficient | math pin one (pipeline.model.sdpa_backend)
+    attention_backend: Literal["sdpa", "megatron", "flash", "cudnn", "efficient", "math"] = "sdpa"
+    # megatron layer spec: "local" (plain torch modules) or "transformer_engine" (fused TE modules, CUDA + TE
+    # installed). Their checkpoints do not load into each other, so it is chosen here, never by what imports.
+    spec: Literal["local", "transformer_engine"] = "local"
+    # megatron's fusion flags that run without TE (fused SwiGLU, bias-dropout-add): pipeline.model.fusions
+    fusions: Literal["none", "megatron"] = "none"
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    heads: str | tuple[int, ...]  # compact "3x2,6x2,8x2,12x6", an explicit list, or a preset name
+    allow_guideline_violations: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    zero_stage: int = 1
+    # Opt-in: layers whose head count is not a multiple of TP run replicated on every TP rank.
+    replicate_indivisible_layers: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_tokens: int
+    micro_batch_size: int
+    lr: float
+    train_tokens: int
+    min_lr: float = 0.0
+    warmup_fraction: float = 0.025
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: Literal["bf16", "fp32"] = "bf16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 10
+    val_every: int = 200
+    val_tokens: int = 1_048_576  # tokens of the val split used per evaluation (same for both arms)
+    prefetch: int = 2
+    peak_flops: float | None = None  # per device; None: look the device up in a table
+    compile: bool = False  # torch.compile the model (pipeline.model.fusions); off: it does not pay on CPU
+
+
+@dataclass(frozen=True)
+class SlurmExecutorConfig:
+    partition: str | None = None
+    time: str = "04:00:00"
+    cpus_per_task: int = 4
+    mem_per_cpu_gb: float = 2.0
+    max_array_launch_parallel: bool = False
+    sbatch_args: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset_dir: str  # prepared webdataset folder (manifest.json + train/ + val/)
+    input: str = "hf://datasets/HuggingFaceFW/fineweb/sample/10BT"
+    input_format: Literal["parquet", "jsonl", "embedded"] = "parquet"
+    text_key: str = "text"
+    id_key: str = "id"
+    limit: int = -1  # documents per reader task, -1 = all
+    tokenizer: str = "gpt2"  # local tokenizer.json path or a Hub name
+    eos_token: str = "<|endoftext|>"
+    val_fraction: float = 0.005
+    sequences_per_sample: int = 16  # sequences packed into one tar member
+    samples_per_shard: int = 256
+    # val is tiny (val_fraction): its own shard size, or the end-of-task rule would drop all of it
+    val_samples_per_shard: int = 8
+    executor: Literal["local", "slurm"] = "local"
+    tasks: int = 1
+    workers: int = -1
+    slurm: SlurmExecutorConfig = field(default_factory=SlurmExecutorConfig)
+    # A train.train_tokens beyond one epoch of the prepared train split is refused unless this says repeat.
+    allow_repeat: bool = False
+    # Hash every shard before step 1: true, false, or "auto" = when the dataset's shards total <= 1 GiB
+    # (seconds to hash); larger datasets are hashed shard by shard as the loader first reads them.
+    verify_on_start: bool | Literal["auto"] = "auto"
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None  # None: sqlite:///<run.output_dir>/mlflow.db (both arms); or http://host:port
+    experiment: str | None = None  # None: prism-<scale>
+    milestones: tuple[float, ...] = ()  # val-loss thresholds, first crossing logged
+    system_metrics: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints
+    every_steps: int = 1000
+    keep_last: int = 2
+    # Plan keys (PLAN_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after a NaN;
+    # any other change of the plan, model or data is refused on resume.
+    allow_changes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    model: ModelConfig
+    schedule: ScheduleConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    source: str = field(default="<dict>", compare=False, repr=False)  # where it was loaded from; not hashed
+    # Derived once at construction, never dumped or hashed: the parsed schedule, the rules' verdict on it and
+    # the per-layer plan (the verdict's).
+    heads_per_layer: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    schedule_verdict: schedule.Verdict = field(init=False, compare=False, repr=False)
+    layer_plan: tuple[schedule.LayerPlan, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rules.check_ranges(self)  # every number and name in range first: the rules below divide by them
+        try:
+            heads = schedule.resolve(self.schedule.heads)
+        except schedule.ScheduleError as e:
+            raise ConfigError(f"{self.source}: schedule.heads: {e}") from None
+        verdict = schedule.judge(
+            heads,
+            self.model.d_model,
+            self.model.h_base,
+            self.parallel.tp,
+            allow_guideline_violations=self.schedule.allow_guideline_violations,
+            replicate_indivisible=self.parallel.replicate_indivisible_layers,
+        )
+        # frozen: the one place these are set. The schedule is kept as what it builds, in compact form.
+        object.__setattr__(self, "schedule", dataclasses.replace(self.schedule, heads=schedule.compact(heads)))
+        object.__setattr__(self, "heads_per_layer", heads)
+        object.__setattr__(self, "schedule_verdict", verdict)
+        object.__setattr__(self, "layer_plan", verdict.layers)
+        rules.check_combinations(self)
+        rules.check_replication(self)
+
+    # --- derived names and paths (computed on read) -------------------------------------------------------------
+    @property
+    def run_name(self) -> str:
+        return f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run_name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def experiment(self) -> str:
+        return self.tracking.experiment or f"prism-{self.run.scale}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sections as plain YAML-shaped data (what a preset holds): no source, no derived values."""
+        return _plain(self)
+
+    def dump(self) -> str:
+        """YAML of the full resolved config (defaults included): what MLflow stores verbatim, with any
+        password in tracking.uri masked (it is written to checkpoints and artifacts)."""
+        from pipeline.redaction import redact_uri
+
+        data = self.to_dict()
+        data["tracking"]["uri"] = redact_uri(data["tracking"]["uri"])
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def steps(self, data_parallel: int = 1) -> dict[str, int]:
+        """Optimizer steps, warmup steps and gradient-accumulation steps for a given DP size."""
+        t, m = self.train, self.model
+        per_micro = m.seq_len * t.micro_batch_size * data_parallel
+        if t.batch_tokens % per_micro:
+            raise ConfigError(
+                f"{self.source}: train.batch_tokens={t.batch_tokens} is not divisible by seq_len x "
+                f"micro_batch_size x DP = {m.seq_len} x {t.micro_batch_size} x {data_parallel} = {per_micro}; "
+                f"use a multiple of {per_micro}"
+            )
+        total = max(1, t.train_tokens // t.batch_tokens)
+        return {
+            "total": total,
+            "warmup": int(round(t.warmup_fraction * total)),
+            "grad_accum": t.batch_tokens // per_micro,
+        }
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init and f.name != "source"
+        }
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+# The rest of the package reads Config and ConfigError from here, so it is imported once they exist.
+from pipeline.config import rules  # noqa: E402
+from pipeline.config.loading import (  # noqa: E402
+    OUTPUT_DIR_KEYS,
+    PROJECT_CONFIGS,
+    apply_overrides,
+    expand_output_dir,
+    from_dict,
+    load,
+    parse_override,
+    read_yaml,
+)
+from pipeline.config.resume_keys import (  # noqa: E402
+    EXECUTION_ONLY_KEYS,
+    MODEL_OR_DATA_KEYS,
+    PLAN_KEYS,
+    changed_keys,
+    flatten,
+    schema_default,
+)
+from pipeline.config.rules import (  # noqa: E402
+    AT_LEAST_1,
+    FRACTION,
+    NAME,
+    NAME_KEYS,
+    NON_EMPTY_KEYS,
+    NON_NEGATIVE,
+    POSITIVE,
+    RANGES,
+    Range,
+)
+
+__all__ = [
+    "AT_LEAST_1",
+    "EXECUTION_ONLY_KEYS",
+    "FRACTION",
+    "MODEL_OR_DATA_KEYS",
+    "NAME",
+    "NAME_KEYS",
+    "NON_EMPTY_KEYS",
+    "NON_NEGATIVE",
+    "OUTPUT_DIR_KEYS",
+    "PLAN_KEYS",
+    "POSITIVE",
+    "PROJECT_CONFIGS",
+    "RANGES",
+    "REQUIRED",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "Range",
+    "RunConfig",
+    "ScheduleConfig",
+    "SlurmExecutorConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "changed_keys",
+    "expand_output_dir",
+    "flatten",
+    "from_dict",
+    "load",
+    "parse_override",
+    "read_yaml",
+    "rules",
+    "schema_default",
+]

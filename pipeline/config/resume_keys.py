@@ -1,0 +1,105 @@
+"""Which config keys a resume may change: the model and data keys never, the training-plan keys only when
+`checkpoint.allow_changes` names them, execution-only keys always; and `changed_keys`, which compares two
+config dicts by what they build (the schedule resolved)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from pipeline import schedule
+from pipeline.config import Config, _plain
+
+# Keys whose change makes a checkpoint or a dataset incompatible (resume refuses, naming the key).
+MODEL_OR_DATA_KEYS = (
+    "run.seed",
+    "model",
+    "schedule",
+    "parallel.tp",
+    "train.batch_tokens",
+    "train.micro_batch_size",
+    "data",
+)
+# How work is executed, not what it computes (the tokens, the weights): a change never blocks a resume.
+EXECUTION_ONLY_KEYS = (
+    "data.executor",
+    "data.tasks",
+    "data.workers",
+    "data.slurm",
+    "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
+    "data.verify_on_start",
+    # how the same math runs (kernels, fusions): the weights and their names do not change
+    "model.attention_backend",
+    "model.fusions",
+)
+# Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
+# a resume refuses a change unless checkpoint.allow_changes names the key.
+PLAN_KEYS = (
+    "train.train_tokens",
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_fraction",
+    "train.weight_decay",
+    "train.beta1",
+    "train.beta2",
+    "train.eps",
+    "train.grad_clip",
+    "train.precision",
+    "parallel.zero_stage",
+    "parallel.replicate_indivisible_layers",
+)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not key.endswith("sbatch_args"):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS) -> list[str]:
+    """Flattened keys under ``scope`` whose values differ between two config dicts. The schedule is compared
+    as what it builds: a config saved before schedules were stored compactly may spell it another way."""
+    a, b = _resolved(flatten(old)), _resolved(flatten(new))
+    keys = sorted(set(a) | set(b))
+
+    def in_scope(k: str) -> bool:
+        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
+            return False
+        return any(k == s or k.startswith(s + ".") for s in scope)
+
+    def differs(k: str) -> bool:
+        if k not in a:  # saved before the key existed: that run had the default's behaviour
+            return b.get(k) != schema_default(k)
+        return a.get(k) != b.get(k)
+
+    return [k for k in keys if in_scope(k) and differs(k)]
+
+
+def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
+    """``schedule.heads`` in compact form where it resolves (left as written where it does not)."""
+    heads = flat.get("schedule.heads")
+    if isinstance(heads, str | list | tuple):
+        try:
+            flat = {**flat, "schedule.heads": schedule.compact(schedule.resolve(heads))}
+        except (schedule.ScheduleError, TypeError, ValueError):
+            pass
+    return flat
+
+
+def schema_default(key: str) -> Any:
+    """The default of a flattened ``section.name`` key (``model.spec`` -> "local"); MISSING where none."""
+    section, _, name = key.partition(".")
+    cls = typing.get_type_hints(Config).get(section)
+    if not dataclasses.is_dataclass(cls):
+        return dataclasses.MISSING
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            return _plain(default)
+    return dataclasses.MISSING

@@ -1,0 +1,175 @@
+"""The rules every Config passes when it is built: each number's range from one table (`RANGES`, plus the
+names that become paths), then the rules across keys, the schedule's verdict among them, then what replicated
+layers need. One line per failure, naming the file and the key."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipeline import schedule
+from pipeline.config import ConfigError
+from pipeline.config.resume_keys import PLAN_KEYS
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric key: [low, high] (an end left out: unbounded; *_open: excluded),
+    plus sentinel values such as -1 = all."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[int, ...] = ()
+
+    def allows(self, v: float) -> bool:
+        if v in self.also:
+            return True
+        if not math.isfinite(v):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+    def describe(self) -> str:
+        lo, hi = (None if x is None else f"{x:,.0f}" if x == int(x) else f"{x:g}" for x in (self.low, self.high))
+        if lo is not None and hi is not None:
+            text = f"in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        elif lo is not None:
+            text = f"{'>' if self.low_open else '>='} {lo}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {hi}"
+        return text + "".join(f" (or {a})" for a in self.also)
+
+
+AT_LEAST_1, POSITIVE, NON_NEGATIVE = Range(1), Range(0, low_open=True), Range(0)
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+RANGES: dict[str, Range] = {
+    "run.seed": Range(0, 2**31 - 1),  # numpy, torch and Megatron's per-rank offsets all take it
+    "model.num_layers": AT_LEAST_1,
+    "model.d_model": AT_LEAST_1,
+    "model.h_base": AT_LEAST_1,
+    "model.ffn_hidden_size": AT_LEAST_1,
+    "model.seq_len": AT_LEAST_1,
+    "model.vocab_size": Range(2),  # at least one token besides EOS
+    "model.norm_eps": POSITIVE,
+    "model.rope_base": Range(1, low_open=True),  # base <= 1 gives no rotation spectrum
+    "model.dropout": FRACTION,
+    "model.init_std": POSITIVE,
+    "parallel.tp": AT_LEAST_1,
+    "parallel.zero_stage": Range(0, 3),
+    "train.batch_tokens": AT_LEAST_1,
+    "train.micro_batch_size": AT_LEAST_1,
+    "train.lr": POSITIVE,  # lr=0 would train nothing, silently
+    "train.train_tokens": AT_LEAST_1,
+    "train.min_lr": NON_NEGATIVE,
+    "train.warmup_fraction": FRACTION,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.beta1": FRACTION,
+    "train.beta2": FRACTION,
+    "train.eps": POSITIVE,
+    "train.grad_clip": NON_NEGATIVE,  # 0 = no clipping (DeepSpeed's convention)
+    "train.log_every": AT_LEAST_1,
+    "train.val_every": AT_LEAST_1,
+    "train.val_tokens": AT_LEAST_1,
+    "train.prefetch": AT_LEAST_1,
+    "train.peak_flops": POSITIVE,  # FLOP/s per device, when set
+    "data.limit": Range(1, also=(-1,)),
+    "data.val_fraction": FRACTION,
+    "data.sequences_per_sample": AT_LEAST_1,
+    "data.samples_per_shard": AT_LEAST_1,
+    "data.val_samples_per_shard": AT_LEAST_1,
+    "data.tasks": AT_LEAST_1,
+    "data.workers": Range(1, also=(-1,)),
+    "data.slurm.cpus_per_task": AT_LEAST_1,
+    "data.slurm.mem_per_cpu_gb": POSITIVE,
+    "tracking.milestones[]": POSITIVE,  # val-loss thresholds
+    "checkpoint.every_steps": AT_LEAST_1,
+    "checkpoint.keep_last": AT_LEAST_1,  # 0 would delete the checkpoint just written
+}
+# Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
+# (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".
+NON_EMPTY_KEYS = ("run.output_dir", "data.dataset_dir", "data.input", "data.tokenizer", "data.eos_token")
+NAME_KEYS = ("run.scale", "tracking.experiment")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _value(cfg: Config, key: str) -> Any:
+    value: Any = cfg
+    for part in key.removesuffix("[]").split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every key of RANGES, NON_EMPTY_KEYS and NAME_KEYS; one line naming the first key out of range."""
+    for key, allowed in RANGES.items():
+        value = _value(cfg, key)
+        for v in value if key.endswith("[]") else (value,):
+            if v is not None and not allowed.allows(v):
+                raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
+    for key in NON_EMPTY_KEYS:
+        if not _value(cfg, key).strip():
+            raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
+    for key in NAME_KEYS:
+        value = _value(cfg, key)
+        if value is not None and (not NAME.fullmatch(value) or ".." in value):
+            raise ConfigError(
+                f"{cfg.source}: {key}: {value!r} is not a plain name (letters, digits, . _ + -, no '..' or '/'); "
+                "it names a folder or experiment inside run.output_dir"
+            )
+
+
+def check_combinations(cfg: Config) -> None:
+    """Every rule across keys, the schedule's included (its verdict, judged once). Single values are already
+    in range (check_ranges)."""
+    src, m, t, p = cfg.source, cfg.model, cfg.train, cfg.parallel
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{src}: {key}: {msg}")
+
+    if p.zero_stage == 3 and p.tp > 1:
+        fail("parallel.zero_stage", "ZeRO stage 3 is only supported with parallel.tp=1; use 1 or 2")
+    if p.zero_stage == 0 and t.precision == "bf16":
+        # DeepSpeed sums micro-batch gradients in fp32 under bf16 only with ZeRO (grad_accum_dtype)
+        fail("parallel.zero_stage", "0 with train.precision=bf16 would sum gradients in bf16; use 1, 2 or 3")
+    if t.min_lr > t.lr:
+        fail("train.min_lr", f"{t.min_lr} exceeds train.lr={t.lr}")
+    if t.train_tokens < t.batch_tokens:
+        fail(
+            "train.train_tokens",
+            f"{t.train_tokens} is less than one batch (train.batch_tokens={t.batch_tokens})",
+        )
+    if m.d_model % m.h_base:
+        fail("model.h_base", f"{m.h_base} does not divide model.d_model={m.d_model}")
+    cfg.steps(1)  # batch_tokens vs seq_len x micro_batch_size
+    heads = cfg.heads_per_layer
+    if len(heads) != m.num_layers:
+        fail("schedule.heads", f"lists {len(heads)} layers but model.num_layers={m.num_layers}")
+    verdict = cfg.schedule_verdict
+    if verdict.errors:
+        fail("schedule.heads", verdict.error_line())
+    for line in verdict.warning_lines():
+        warnings.warn(line, stacklevel=2)
+    if cfg.run.arm == "uniform" and len(set(heads)) != 1:
+        fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
+    for key in cfg.checkpoint.allow_changes:
+        if key not in PLAN_KEYS:
+            fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(PLAN_KEYS)}")
+
+
+def check_replication(cfg: Config) -> None:
+    """What replicated layers need from the rest of the config."""
+    dropout = cfg.model.dropout
+    if dropout and any(layer.replicated for layer in cfg.layer_plan):
+        # TP ranks draw attention dropout from different RNG streams: replicas would diverge.
+        raise ConfigError(
+            f"{cfg.source}: model.dropout: {dropout}: parallel.replicate_indivisible_layers needs model.dropout=0"
+        )
