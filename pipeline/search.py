@@ -177,11 +177,9 @@ def load_spec(path: str | Path) -> SearchSpec:
             f"must be min_tokens x reduction_factor^k with k >= 1 (e.g. {below:,} or {rungs.points[-1]:,})",
         )
 
-    sampler = spec.get("sampler", "tpe" if lr else "grid")
+    sampler = spec.get("sampler", "grid")
     if sampler not in SAMPLERS:
         raise doc.bad("sampler", f"use one of {', '.join(SAMPLERS)}")
-    if sampler == "grid" and lr:
-        raise doc.bad("sampler", "grid covers the schedules only; with space.lr use tpe or random")
     trials = positive_int("trials", default=len(schedules) if sampler == "grid" else None)
     if sampler == "grid" and trials > len(schedules):
         raise doc.bad("trials", f"the grid sampler has {len(schedules)} schedules to try; ask for at most that")
@@ -622,7 +620,23 @@ class Driver:
             load_if_exists=True,
         )
         self.launcher: Any = LocalLauncher(spec) if spec.executor == "local" else SlurmLauncher(spec)
+        if spec.sampler == "grid":
+            self.enqueue_grid()
         self.best: tuple[float, str] | None = None
+
+    def enqueue_grid(self) -> None:
+        """The grid sampler: every schedule queued once (Optuna's enqueue_trial), in an order the seed
+        shuffles; a searched lr is still drawn by the sampler. Idempotent, so a resume queues only what a
+        killed driver had not queued yet. (Optuna's GridSampler stops the study from inside tell(), which
+        only works under study.optimize, not with ask/tell.)"""
+        import random
+
+        queued = {t.system_attrs.get("fixed_params", {}).get("schedule") for t in self.study.get_trials(deepcopy=False)}
+        order = list(self.spec.schedules)
+        random.Random(self.spec.seed).shuffle(order)
+        for sched in order[: self.spec.trials]:
+            if sched not in queued:
+                self.study.enqueue_trial({"schedule": sched}, skip_if_exists=False)
 
     # -- records
     def new_record(
@@ -791,6 +805,8 @@ class Driver:
         )
 
     def run(self) -> int:
+        from optuna.trial import TrialState
+
         s = self.spec
         self.say(
             f"prism search {s.name}: {s.trials} trials over {len(s.schedules)} schedules, {s.concurrency} at a time "
@@ -809,7 +825,7 @@ class Driver:
                     self.step(rec)
             self.tag_children()
             active = [r for r in self.state.runs.values() if r["status"] in ("running", "stopping", "launching")]
-            asked = len(self.study.get_trials(deepcopy=False))
+            asked = sum(t.state != TrialState.WAITING for t in self.study.get_trials(deepcopy=False))
             while len(active) < s.concurrency and asked < s.trials:
                 rec = self.ask()
                 self.launch(rec)
@@ -1033,9 +1049,7 @@ class Driver:
 def make_sampler(spec: SearchSpec) -> Any:
     import optuna
 
-    if spec.sampler == "grid":
-        return optuna.samplers.GridSampler({"schedule": spec.schedules}, seed=spec.seed)
-    if spec.sampler == "random":
+    if spec.sampler == "random" or (spec.sampler == "grid" and not spec.lr):
         return optuna.samplers.RandomSampler(seed=spec.seed)
     return optuna.samplers.TPESampler(seed=spec.seed)
 
