@@ -1064,7 +1064,17 @@ def make_pruner(spec: SearchSpec) -> Any:
 
 
 def run_search(spec: SearchSpec, resume: bool = False, poll_s: float = 1.0) -> int:
-    return Driver(spec, resume, poll_s=poll_s).run()
+    driver = Driver(spec, resume, poll_s=poll_s)
+    try:
+        return driver.run()
+    except KeyboardInterrupt:  # the runs live in their own sessions: they go on without the driver
+        running = [driver.launcher.describe(r) for r in driver.state.runs.values() if r["status"] == "running"]
+        print(
+            f"prism search: driver stopped; {len(running)} runs keep going ({', '.join(running) or 'none'}); "
+            f"`prism search {spec.path} --resume` picks them up",
+            flush=True,
+        )
+        return 130
 
 
 def _elapsed(t0: float) -> str:
