@@ -578,13 +578,20 @@ def outcome(rec: dict[str, Any]) -> tuple[str, int]:
     return reason, max(steps, default=0)
 
 
-def tokens_trained(rec: dict[str, Any]) -> int:
+def tokens_trained(rec: dict[str, Any], batch_tokens: int) -> int:
+    """Tokens a run trained: its last logged count, or its last step (a stop signal's checkpoint, the exit
+    record) when that is later: a pruned run trains on to the next step boundary before it stops."""
     seen = [
         r["metrics"]["train/tokens_seen"]
         for r in read_journal(rec)
         if r.get("op") == "metrics" and "train/tokens_seen" in r.get("metrics", {})
     ]
-    return int(max(seen, default=0))
+    steps = [int(name.split("-")[1]) for name in checkpoints_of(rec)]
+    exit_file = Path(rec["folder"]) / EXIT_FILE
+    words = exit_file.read_text().split() if exit_file.is_file() else []
+    if len(words) == 2 and words[1].isdigit():
+        steps.append(int(words[1]))
+    return int(max(max(seen, default=0), max(steps, default=0) * batch_tokens))
 
 
 def checkpoints_of(rec: dict[str, Any]) -> list[str]:
@@ -758,7 +765,7 @@ class Driver:
         from optuna.trial import TrialState
 
         reason, last_step = outcome(rec)
-        rec["tokens"] = tokens_trained(rec)
+        rec["tokens"] = tokens_trained(rec, self.spec.base.train.batch_tokens)
         rec["checkpoints"] = checkpoints_of(rec)
         values, _ = val_losses(rec, self.uri)
         full_step = self.spec.rungs.full_tokens // self.spec.base.train.batch_tokens
@@ -791,7 +798,7 @@ class Driver:
         count = {
             s: sum(r["status"] == s for r in trials) for s in ("running", "stopping", "pruned", "complete", "failed")
         }
-        spent = sum(tokens_trained(r) for r in trials)
+        spent = sum(tokens_trained(r, self.spec.base.train.batch_tokens) for r in trials)
         grid = len(self.spec.schedules) * self.spec.rungs.full_tokens
         complete = [r for r in trials if r["status"] == "complete"]
         best = min(complete, key=lambda r: r["final_val"]) if complete else None
@@ -896,6 +903,7 @@ class Driver:
         head = ["trial", "schedule", "lr", "state", "rungs reached", *[f"val @ {t:,}" for t in points], "tokens"]
         rows = []
         for r in trials:
+            r["tokens"] = tokens_trained(r, self.spec.base.train.batch_tokens)
             vals = [r.get("rungs", {}).get(str(t)) for t in points[:-1]] + [r.get("final_val")]
             reached = sum(v is not None for v in vals)
             rows.append(
