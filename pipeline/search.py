@@ -366,7 +366,7 @@ def dry_run(spec: SearchSpec, mfu: float = 0.4, peak_flops: float | None = None)
     steps = [t // base.train.batch_tokens for t in r.points]
     lines = [
         f"prism search {spec.name}: {spec.path}",
-        f"  base         {spec.config_path} ({base.run.scale}, {base.model.num_layers} layers, d_model "
+        f"  base         {_shown(spec.config_path)} ({base.run.scale}, {base.model.num_layers} layers, d_model "
         f"{base.model.d_model}) + {len(spec.overrides)} overrides",
         f"  space        {len(spec.schedules)} schedules ({spec.schedules_from})"
         + (f", lr log-uniform in [{spec.lr[0]:g}, {spec.lr[1]:g}]" if spec.lr else ""),
@@ -395,6 +395,14 @@ def dry_run(spec: SearchSpec, mfu: float = 0.4, peak_flops: float | None = None)
             f"prism plan); one trial: {_hours(plan.wall_seconds)} on {plan.world} GPU(s)"
         )
     return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the cwd when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _hours(seconds: float) -> str:
@@ -822,7 +830,7 @@ class Driver:
         if s.executor == "local":
             from data_prep.build import prepare
 
-            prepare(config.load(s.config_path, trial_overrides(s, 0, s.schedules[0], None)))
+            prepare(s.base)  # the data config as the spec spells it, so every rerun compares equal to the build
         self.parent_run()
         self.adopt()
         last = ""
