@@ -85,3 +85,14 @@ def test_dry_run_counts_tokens_against_the_grid_and_gpu_hours_from_plan(tmp_path
     hours = flops_per_token(spec.base) * 65_536 / (0.5 * 1e9) / 3600
     grid_hours = hours * 425_984 / 65_536
     assert f"search ~{hours:,.1f}, full grid {grid_hours:,.1f} at MFU 50%" in text, text
+
+
+def test_pruner_key_picks_optunas_pruner_on_the_spec_rungs(tmp_path):
+    import optuna
+
+    asha = search.make_pruner(_load(tmp_path, GOOD))
+    assert isinstance(asha, optuna.pruners.SuccessiveHalvingPruner)
+    assert (asha._min_resource, asha._reduction_factor) == (4096, 2)
+    hyperband = search.make_pruner(_load(tmp_path, GOOD + "pruner: hyperband\n"))
+    assert isinstance(hyperband, optuna.pruners.HyperbandPruner)
+    assert (hyperband._min_resource, hyperband._max_resource, hyperband._reduction_factor) == (4096, 16384, 2)
