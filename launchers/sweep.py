@@ -360,82 +360,130 @@ SLURM_INT_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "timeout_min", "sig
 SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")
 
 
+class SpecFile:
+    """A YAML spec (a sweep's, a search's) read with the line and column of every value, so that a bad field
+    is one line saying where it is: ``spec.yaml:7:10: slurm.nodes=0: must be a positive integer``."""
+
+    def __init__(self, path: str | Path, kind: str, keys: tuple[str, ...]):
+        import yaml
+
+        self.path, self.kind = Path(path), kind
+        if not self.path.is_file():
+            raise ConfigError(f"{self.path}: {kind} not found")
+        try:
+            text = self.path.read_text()
+            data = yaml.safe_load(text) or {}
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            what = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"{self.path}: not valid YAML{at}: {what}; fix the syntax there") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{self.path}: cannot read the {kind}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.path}: a {kind} is a mapping of {', '.join(keys)}; got {type(data).__name__}")
+        self.data: dict[str, Any] = data
+        self.marks: dict[str, tuple[int, int]] = {}  # dotted key -> (line, column) of its value, 1-based
+        self._mark(root, "")
+        unknown = sorted(str(k) for k in data if k not in keys)
+        if unknown:
+            raise self.error(unknown[0], f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(keys))}", at_key=True)
+
+    def _mark(self, node: Any, prefix: str) -> None:
+        import yaml
+
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            self.marks[dotted] = (value_node.start_mark.line + 1, value_node.start_mark.column + 1)
+            self.marks[f"{dotted} (key)"] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            self._mark(value_node, f"{dotted}.")
+
+    def value(self, key: str) -> Any:
+        """The value at a dotted key (``slurm.nodes``), None where it is absent."""
+        node: Any = self.data
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def error(self, key: str, message: str, at_key: bool = False) -> ConfigError:
+        """``PATH:LINE:COL: message``, at the key's value (or at the key itself), the closest known place."""
+        probe = key
+        while probe and f"{probe} (key)" not in self.marks:
+            probe = probe.rpartition(".")[0]
+        line, col = self.marks.get(f"{probe} (key)" if at_key else probe, (0, 0)) if probe else (0, 0)
+        at = f":{line}:{col}" if line else ""
+        return ConfigError(f"{self.path}{at}: {message}")
+
+    def bad(self, key: str, want: str) -> ConfigError:
+        """``PATH:LINE:COL: key=value: what is wanted``."""
+        return self.error(key, f"{key}={self.value(key)!r}: {want}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_slurm_section(spec: SpecFile) -> None:
+    """The ``slurm:`` mapping of a spec: make_executor's settings, each checked (sweeps and searches)."""
+    slurm = spec.data.get("slurm")
+    if slurm is None:
+        return
+    if not isinstance(slurm, dict):
+        raise spec.bad("slurm", f"must be a mapping of {', '.join(SLURM_KEYS)}")
+    unknown = sorted(str(k) for k in slurm if k not in SLURM_KEYS)
+    if unknown:
+        raise spec.error(
+            f"slurm.{unknown[0]}", f"unknown key slurm.{unknown[0]}; allowed: {', '.join(SLURM_KEYS)}", at_key=True
+        )
+    for key in SLURM_INT_KEYS:
+        if key in slurm and not (is_int(slurm[key]) and slurm[key] >= (0 if key == "gpus_per_node" else 1)):
+            raise spec.bad(f"slurm.{key}", "must be a positive integer")
+    if "partition" in slurm and not isinstance(slurm["partition"], str):
+        raise spec.bad("slurm.partition", "must be a partition name")
+    if "additional_parameters" in slurm and not isinstance(slurm["additional_parameters"], dict):
+        raise spec.bad("slurm.additional_parameters", "must be a mapping of sbatch options")
+
+
 def load_spec(path: str | Path) -> dict[str, Any]:
     """A sweep YAML: arms, scales, seeds, schedules (list | all-valid | null), overrides, executor, slurm:{...}.
 
-    Every field is checked here, so a bad spec is one line naming the key (exit 2), never a traceback."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: sweep spec not found")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        what = getattr(e, "problem", None) or type(e).__name__
-        raise ConfigError(f"{path}: not valid YAML{at}: {what}; fix the syntax there") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the sweep spec: {e}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: a sweep spec is a mapping of {', '.join(SPEC_KEYS)}; got {type(spec).__name__}")
-    unknown = sorted(str(k) for k in spec if k not in SPEC_KEYS)
-    if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
-
-    def bad(key: str, want: str) -> ConfigError:
-        return ConfigError(f"{path}: {key}={spec_value(key)!r}: {want}")
-
-    def spec_value(key: str) -> Any:
-        head, _, tail = key.partition(".")
-        return spec[head][tail] if tail else spec[head]
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
+    Every field is checked here, so a bad spec is one line naming the key and where it is (exit 2), never a
+    traceback."""
+    doc = SpecFile(path, "sweep spec", SPEC_KEYS)
+    spec = doc.data
 
     for key in ("arms", "scales"):
         v = spec.get(key)
         if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
-            raise ConfigError(f"{path}: {key} must be a non-empty list of names, got {v!r}")
+            raise doc.error(key, f"{key} must be a non-empty list of names, got {v!r}")
     seeds = spec.get("seeds")
     if not isinstance(seeds, list) or not seeds:
-        raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+        raise doc.error("seeds", f"seeds must be a non-empty list of integers, got {seeds!r}")
     for seed in seeds:
         if not is_int(seed) or seed < 0:
-            raise ConfigError(f"{path}: seeds: {seed!r} is not a non-negative integer; write seeds like [1, 2, 3]")
+            raise doc.error("seeds", f"seeds: {seed!r} is not a non-negative integer; write seeds like [1, 2, 3]")
     if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{path}: seeds {seeds} repeat a seed; each grid point needs its own")
+        raise doc.error("seeds", f"seeds {seeds} repeat a seed; each grid point needs its own")
     schedules = spec.get("schedules")
     if not (schedules is None or schedules == ALL_VALID or isinstance(schedules, list)):
-        raise bad("schedules", f"use a list of schedules, {ALL_VALID!r} or null")
+        raise doc.bad("schedules", f"use a list of schedules, {ALL_VALID!r} or null")
     if isinstance(schedules, list) and not all(isinstance(x, str) for x in schedules):
-        raise bad("schedules", 'write each schedule as a quoted string, e.g. "2x2,4x4"')
+        raise doc.bad("schedules", 'write each schedule as a quoted string, e.g. "2x2,4x4"')
     overrides = spec.get("overrides")
     if not (overrides is None or isinstance(overrides, dict | list)):
-        raise bad("overrides", "use a mapping {dotted.key: value} or a list of 'dotted.key=value' strings")
+        raise doc.bad("overrides", "use a mapping {dotted.key: value} or a list of 'dotted.key=value' strings")
     if spec.get("executor", "slurm") not in ("slurm", "local"):
-        raise bad("executor", "use slurm or local")
+        raise doc.bad("executor", "use slurm or local")
     for key in ("name", "folder"):
         if key in spec and not (isinstance(spec[key], str) and spec[key]):
-            raise bad(key, "must be a non-empty string")
+            raise doc.bad(key, "must be a non-empty string")
     if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
-        raise bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
-    slurm = spec.get("slurm")
-    if slurm is not None:
-        if not isinstance(slurm, dict):
-            raise bad("slurm", f"must be a mapping of {', '.join(SLURM_KEYS)}")
-        unknown = sorted(str(k) for k in slurm if k not in SLURM_KEYS)
-        if unknown:
-            raise ConfigError(f"{path}: unknown key slurm.{unknown[0]}; allowed: {', '.join(SLURM_KEYS)}")
-        for key in SLURM_INT_KEYS:
-            if key in slurm and not (is_int(slurm[key]) and slurm[key] >= (0 if key == "gpus_per_node" else 1)):
-                raise bad(f"slurm.{key}", "must be a positive integer")
-        if "partition" in slurm and not isinstance(slurm["partition"], str):
-            raise bad("slurm.partition", "must be a partition name")
-        if "additional_parameters" in slurm and not isinstance(slurm["additional_parameters"], dict):
-            raise bad("slurm.additional_parameters", "must be a mapping of sbatch options")
-    spec.setdefault("name", path.stem)
+        raise doc.bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
+    check_slurm_section(doc)
+    spec.setdefault("name", doc.path.stem)
     return spec
 
 

@@ -19,6 +19,7 @@ from pipeline.cli import (
     plan,
     prepare,
     schedule,
+    search,
     study,
     sweep,
     tracking,
@@ -28,7 +29,21 @@ from pipeline.config import ConfigError
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
-VERB_MODULES = (schedule, model, plan, prepare, train, tracking, compare, eval, attention_distance, sweep, study, demo)
+VERB_MODULES = (
+    schedule,
+    model,
+    plan,
+    prepare,
+    train,
+    tracking,
+    compare,
+    eval,
+    attention_distance,
+    sweep,
+    search,
+    study,
+    demo,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,196 @@
+"""`prism search` on the local executor: a tiny ASHA search over 6 schedules with real `prism train` runs,
+its driver killed (SIGKILL) mid-search and resumed. One search serves every check, to keep CI time low."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import search
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+SCHEDULES = ["2x2,6x2,12x4", "4x2,8x2,12x4", "3x2,4x2,12x4", "6x2,8x2,12x4", "2x2,4x2,12x4", "3x2,8x2,12x4"]
+
+
+def _spec(tmp_path: Path, tiny_data, **changes: str) -> Path:
+    overrides = "\n".join(f"  - {o}" for o in tiny_data.overrides)
+    text = f"""name: tiny-search
+config: {ROOT / "configs/tiny_prism.yaml"}
+folder: {tmp_path / "search"}
+overrides:
+{overrides}
+  - train.batch_tokens=1024
+  - train.micro_batch_size=8
+  - train.val_tokens=1024
+  - train.log_every=1
+  - checkpoint.every_steps=100
+  - tracking.system_metrics=false
+space:
+  schedules: {json.dumps(SCHEDULES)}
+rungs: {{min_tokens: 3072, reduction_factor: 2, full_tokens: 12288}}
+trials: 6
+concurrency: 2
+seed: 0
+executor: local
+"""
+    for key, value in changes.items():
+        text += f"{key}: {value}\n"
+    path = tmp_path / "tiny-search.yaml"
+    path.write_text(text)
+    return path
+
+
+def _state(folder: Path) -> dict:
+    path = folder / search.STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+
+
+def _processes_in(folder: Path) -> list[int]:
+    """Live processes whose command line names something inside ``folder``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(folder).encode() in (entry / "cmdline").read_bytes() and search._proc_start(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tiny_data, tmp_path_factory):
+    """The search, its driver SIGKILLed once a trial ended and two run, then `--resume`d to the end."""
+    tmp = tmp_path_factory.mktemp("search")
+    spec = _spec(tmp, tiny_data)
+    folder = tmp / "search"
+    cmd = [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"]
+    with open(tmp / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and first.poll() is None:
+        runs = _state(folder)["runs"].values()
+        if any(r["status"] in search.FINAL for r in runs) and sum(r["status"] == "running" for r in runs) >= 1:
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, (tmp / "first.log").read_text()[-3000:]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    at_kill = {k: dict(r) for k, r in _state(folder)["runs"].items()}
+    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search._proc_start(r["handle"]["pid"])]
+    resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    return {
+        "spec": spec,
+        "folder": folder,
+        "at_kill": at_kill,
+        "alive_at_kill": alive_at_kill,
+        "first_log": (tmp / "first.log").read_text(),
+        "resumed": resumed,
+        "state": _state(folder),
+    }
+
+
+def test_search_prunes_with_checkpoints_leaves_no_process_and_picks_the_best(killed_and_resumed):
+    out, state, folder = killed_and_resumed["resumed"], killed_and_resumed["state"], killed_and_resumed["folder"]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trials = [r for r in state["runs"].values() if r["kind"] == "trial"]
+    assert sorted(r["key"] for r in trials) == [f"t{i:03d}" for i in range(6)]
+    assert sorted(r["schedule"] for r in trials) == sorted(SCHEDULES)  # the grid sampler: each schedule once
+    pruned = [r for r in trials if r["status"] == "pruned"]
+    complete = [r for r in trials if r["status"] == "complete"]
+    assert pruned and complete and len(pruned) + len(complete) == 6, [(r["key"], r["status"]) for r in trials]
+    for r in pruned:  # stopped by the driver's signal: ended through prism train's checkpoint path
+        ckpt = Path(r["checkpoint_dir"])
+        assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
+        reason, step = (Path(r["folder"]) / search.EXIT_FILE).read_text().split()
+        assert reason in ("signal", "finished") and int(step) == int(r["checkpoints"][-1].split("-")[1]), r
+        assert r["tokens"] < 12288 or reason == "finished"
+    assert any(Path(r["folder"], search.EXIT_FILE).read_text().startswith("signal") for r in pruned)
+    for r in complete:
+        assert r["tokens"] == 12288 and r["checkpoints"][-1] == "step-0000012"
+    assert _processes_in(folder) == []
+
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(
+        study_name="tiny-search", storage=JournalStorage(JournalFileBackend(str(folder / search.OPTUNA_FILE)))
+    )
+    lowest = min(complete, key=lambda r: r["final_val"])
+    assert study.best_trial.number == lowest["trial"] and study.best_value == lowest["final_val"]
+    states = {t.number: t.state for t in study.trials}
+    assert states == {r["trial"]: TrialState.PRUNED if r["status"] == "pruned" else TrialState.COMPLETE for r in trials}
+    # the final val loss Optuna holds is the one MLflow holds for that run
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    history = client.get_metric_history(search.run_id_of(lowest), "val/loss")
+    assert max(history, key=lambda m: m.step).value == pytest.approx(lowest["final_val"])
+    assert "| trial | schedule |" in out.stdout and (folder / "results.png").is_file()
+
+
+def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_resumed):
+    k = killed_and_resumed
+    out, state, folder = k["resumed"], k["state"], k["folder"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert k["alive_at_kill"], "the driver was killed while no trial ran; the test did not test a resume"
+    for key in k["alive_at_kill"]:  # found again, not restarted: same pid, one launch line
+        assert state["runs"][key]["handle"] == k["at_kill"][key]["handle"]
+        mine = [line for line in out.stdout.splitlines() if line.startswith(f"  {key} [")]
+        assert mine and "still running" in mine[0] or "ended meanwhile" in mine[0], mine
+        assert not any(": launched," in line for line in mine), mine
+    for key, r in k["at_kill"].items():
+        if r["status"] in search.FINAL:
+            assert state["runs"][key]["status"] == r["status"] and f"  {key} [" not in out.stdout.split("## Search")[0]
+    # each trial started once: launched, or found running when the kill fell between its launch and its record
+    starts = [line for line in (k["first_log"] + out.stdout).splitlines() if ": launched, pid" in line]
+    starts += [line for line in out.stdout.splitlines() if ": found running, pid" in line]
+    assert sorted(line.split()[0] for line in starts) == [f"t{i:03d}" for i in range(6)], starts
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny-search")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    parents = [r for r in runs if r.data.tags.get("kind") == "search"]
+    trials = [r for r in runs if r.data.tags.get("kind") == "train"]
+    assert len(parents) == 1 and len(trials) == 6, [(r.info.run_name, r.data.tags.get("kind")) for r in runs]
+    assert sorted(r.data.tags["search.trial"] for r in trials) == [str(i) for i in range(6)]
+    assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parents[0].info.run_id}
+    for r in state["runs"].values():  # one MLflow run per trial folder, however often its journal restarted
+        starts = [x for x in search.read_journal(r) if x["op"] == "start"]
+        assert len(starts) == 1, (r["key"], len(starts))
+
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    study = optuna.load_study(
+        study_name="tiny-search", storage=JournalStorage(JournalFileBackend(str(folder / search.OPTUNA_FILE)))
+    )
+    assert len(study.trials) == 6 and sorted(t.params["schedule"] for t in study.trials) == sorted(SCHEDULES)
+
+
+def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("config: configs/tiny_prism.yaml\nspace: {schedules: all-valid}\nrungs: {min_tokens: 0}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--dry-run"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{spec}:3:8: rungs.reduction_factor is missing" in out.stderr, out.stderr
