@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,8 +101,9 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     say(
         f"prism demo: the Prism study in miniature on CPU: {steps} steps x {cfg.train.batch_tokens} tokens per arm "
         f"= {steps * cfg.train.batch_tokens:,} tokens, {len(ARMS)} arms ({', '.join(ARMS)}), "
-        f"d_model {cfg.model.d_model}, {cfg.model.num_layers} layers; about {estimate_minutes(cfg)} min on 2 free "
-        f"cores (first run), reruns reuse the data and finished runs."
+        f"d_model {cfg.model.d_model}, {cfg.model.num_layers} layers, {arms_at_once()} arm(s) at a time on "
+        f"{THREADS_PER_ARM} thread each; an estimate follows once the arms have timed their first steps. "
+        f"Reruns reuse the data and finished runs."
     )
     from pipeline.console import log_file
 
@@ -114,7 +117,7 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
 
     manifest = prepare(cfg)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    todo: dict[str, list[str]] = {}
     for i, arm in enumerate(ARMS, start=2):
         c = cfgs[arm]
         done = finished_run(c)
@@ -122,11 +125,10 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
             say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
             continue
         say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]")
-        cmd = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *overrides]
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            say(f"prism demo: `{' '.join(cmd[2:])}` exited with {rc}; rerun `make demo` to resume it")
-            return rc
+        todo[arm] = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *overrides]
+    rc = train_arms(todo, cfg, t0)
+    if rc != 0:
+        return rc
 
     say(f"[4/4] compare  [{elapsed(t0)} so far]")
     from pipeline.compare import compare_arms
@@ -156,16 +158,106 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     return 0
 
 
-# Measured on this 2-core machine with the tiny preset (d 192, 8 layers, seq 256): ~3,300 tokens/s per arm in
-# fp32, ~25 s of start-up per `prism train`, ~60 s for corpus + tokenizer + shards on a fresh clone.
-TINY_TOKENS_PER_SEC, START_SECONDS, DATA_SECONDS = 3300, 25, 60
+# Each arm trains on one thread, alone or beside the other: fp32 results on CPU depend on the thread count
+# (a tiny arm on 1 and on 2 threads differs from its second step on, by ~1e-7), so a fixed count keeps an
+# arm's losses the same whether the arms run together or in turn. On 2 cores, two 1-thread arms side by side
+# finish sooner than two 2-thread arms one after the other (the README gives the measured ratio).
+THREADS_PER_ARM = 1
+STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+) ")  # `prism train`'s step lines: "step     10/384 | ..."
 
 
-def estimate_minutes(cfg) -> int:
-    """The budget the banner announces, from the config actually run (not a constant)."""
-    per_arm = cfg.steps(1)["total"] * cfg.train.batch_tokens / TINY_TOKENS_PER_SEC + START_SECONDS
-    width = (cfg.model.d_model / 192) ** 2 * cfg.model.num_layers / 8  # cost grows ~ layers x width^2
-    return max(1, math.ceil((DATA_SECONDS + len(ARMS) * per_arm * width) / 60))
+def arms_at_once() -> int:
+    """How many arms train side by side: as many as the cores hold at THREADS_PER_ARM each."""
+    from pipeline.distributed import node_cpus
+
+    return max(1, min(len(ARMS), node_cpus() // THREADS_PER_ARM))
+
+
+def train_arms(commands: dict[str, list[str]], cfg, t0: float) -> int:
+    """Run each arm's `prism train` (arms_at_once() at a time, one thread each), relaying its lines prefixed
+    with the arm; print one estimate when every running arm has timed its first logged steps. Returns 0, or
+    the exit code of the first arm that failed (the others still finish)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(THREADS_PER_ARM)}
+    env["MKL_NUM_THREADS"] = env["OMP_NUM_THREADS"]
+    at_once, waiting = arms_at_once(), list(commands)
+    running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
+    timing = ArmTiming(cfg, t0, len(commands), at_once)
+    failed: list[int] = []
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            arm = waiting.pop(0)
+            timing.started(arm)
+            proc = subprocess.Popen(
+                commands[arm], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+            relay = threading.Thread(target=timing.relay, args=(arm, proc), daemon=True)
+            relay.start()
+            running[arm] = (proc, relay)
+        time.sleep(0.2)
+        for arm, (proc, relay) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            relay.join()
+            del running[arm]
+            if proc.returncode != 0:
+                say(
+                    f"prism demo: `{' '.join(commands[arm][2:])}` exited with {proc.returncode}; rerun `make demo` to resume it"
+                )
+                failed.append(proc.returncode)
+    return failed[0] if failed else 0
+
+
+class ArmTiming:
+    """Times each arm from its step lines and prints the demo's estimate once, from what it measured:
+    per arm the seconds per step between its first two step lines, plus the validation passes still ahead
+    (a forward pass costs about a third of a training step per token), plus start-up for arms not begun."""
+
+    def __init__(self, cfg, t0: float, arms: int, at_once: int):
+        self.cfg, self.t0, self.arms, self.at_once = cfg, t0, arms, at_once
+        self.lock = threading.Lock()
+        self.launched: dict[str, float] = {}
+        self.points: dict[str, list[tuple[float, int, int]]] = {}  # arm -> [(time, step, total)] of 2 lines
+        self.said = False
+
+    def started(self, arm: str) -> None:
+        with self.lock:
+            self.launched[arm] = time.monotonic()
+
+    def relay(self, arm: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            match = STEP_LINE.match(line)
+            if match:
+                self.step(arm, int(match.group(1)), int(match.group(2)))
+            print(f"{arm:>7} | {line}", end="", flush=True)
+
+    def step(self, arm: str, step: int, total: int) -> None:
+        with self.lock:
+            points = self.points.setdefault(arm, [])
+            if len(points) < 2:
+                points.append((time.monotonic(), step, total))
+            timed = [a for a in self.points if len(self.points[a]) == 2]
+            if self.said or len(timed) < min(self.at_once, self.arms):
+                return
+            self.said = True
+            seconds = self.remaining_seconds(timed)
+        from pipeline.console import duration
+
+        say(
+            f"prism demo: estimate from the first steps: training done in about {duration(seconds)}, the demo "
+            f"in about {duration(time.monotonic() - self.t0 + seconds)} in all"
+        )
+
+    def remaining_seconds(self, timed: list[str]) -> float:
+        t = self.cfg.train
+        val_share = t.val_tokens / (3 * t.val_every * t.batch_tokens)  # validation per training-step time
+        left, whole = [], []
+        for arm in timed:
+            (t1, s1, total), (t2, s2, _) = self.points[arm]
+            per_step = (t2 - t1) / max(1, s2 - s1) * (1 + val_share)
+            left.append((total - s2) * per_step)
+            whole.append(t1 - self.launched[arm] + total * per_step)  # start-up + all steps
+        rounds_after = math.ceil((self.arms - len(timed)) / self.at_once)  # arms still waiting for a core
+        return max(left) + rounds_after * max(whole)
 
 
 def say(text: str) -> None:

@@ -4,8 +4,9 @@ One prefix per kind, so MLflow's chart view files each kind in its own section:
     train/  what the optimisation does: loss, lr, grad_norm, tokens_seen
     val/    held-out loss
     perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb
-    data/   the data plan of a start: epochs, tokens_per_epoch
     eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
+The data plan of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
+(Tracker.log_params), not here; runs logged before kept it as metrics, which nothing reads.
 
 Readers of old runs (`prism compare`) look a name up here: OLD_NAMES maps each renamed metric to the name it
 had before, and `metric_history` falls back to it when a run has no history under the new one.
@@ -13,7 +14,7 @@ had before, and `metric_history` falls back to it when a run has no history unde
 
 from typing import Any
 
-# new name -> the name runs logged before the prefix scheme (train/loss, val/loss, data/* and eval/* kept theirs)
+# new name -> the name runs logged before the prefix scheme (train/loss, val/loss and eval/* kept theirs)
 OLD_NAMES = {
     "train/lr": "lr",
     "train/grad_norm": "grad_norm",

@@ -442,9 +442,10 @@ def train(cfg: Config) -> dict[str, Any]:
         checkpoint.load(engine, cfg, resume_tag, state)
     tracker = make_tracker(cfg, rank)
     state.run_id = tracker.start(cfg, run_id=state.run_id)
-    # at the first step this start trains, like every other metric (no step 0 in the history)
-    data_metrics = {"data/epochs": epochs, "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
-    tracker.log_metrics(data_metrics, state.step + 1)
+    # the data plan of this start: constants, so params (not chart metrics)
+    tracker.log_params(
+        {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
+    )
     stopper = StopSignal()
     ranks = topology()  # a collective: every rank
     if master:

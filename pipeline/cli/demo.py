@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="prepare, train both tiny arms, compare (offline, ~10 min on 2 free cores)")
+    p = sub.add_parser("demo", help="prepare, train both tiny arms side by side, compare (offline, on CPU)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to both arms, e.g. run.output_dir=/tmp/x")
     p.add_argument(
         "--preset-dir",

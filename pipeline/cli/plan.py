@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu",
         default=None,
-        help="device name as torch reports it, e.g. 'NVIDIA H100 80GB HBM3': its peak from the table",
+        help="GPU model, e.g. H200, 'h100 sxm', A100-80GB (a unique part of a table name, any case): its peak "
+        "from the table",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -35,15 +36,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config, args.overrides)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
-    if peak is None and args.gpu:
-        from pipeline.hardware import PEAK_BF16_FLOPS, peak_bf16_flops
+    if peak is None and args.gpu is not None:
+        from pipeline.hardware import PEAK_BF16_FLOPS, find_gpu
 
-        peak = peak_bf16_flops(args.gpu)
-        if peak is None:
-            raise config.ConfigError(
-                f"--gpu {args.gpu!r} is not in the peak-FLOPs table; use one of: {', '.join(PEAK_BF16_FLOPS)}, "
-                "or pass --peak-tflops"
-            )
+        try:
+            peak = PEAK_BF16_FLOPS[find_gpu(args.gpu)]
+        except ValueError as e:
+            raise config.ConfigError(str(e)) from None
     plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.mfu, peak, read_manifest_if_prepared(cfg))
     print(plan_json(plan) if args.json else format_plan(cfg, plan))
     return 0

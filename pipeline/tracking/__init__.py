@@ -24,6 +24,9 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Values fixed for a start (e.g. the data plan): params, so they do not crowd the metric charts."""
+
     def log_artifact_text(self, text: str, name: str) -> None: ...
 
     def finish(self, status: str = "FINISHED") -> None: ...
@@ -39,6 +42,9 @@ class NullTracker:
         return run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_params(self, params: dict[str, Any]) -> None:
         pass
 
     def log_artifact_text(self, text: str, name: str) -> None:

@@ -22,6 +22,7 @@ JOURNAL = "tracking.jsonl"
 STATE = "tracking-state.json"
 PARAMS_PER_BATCH = 100  # MLflow takes <= 100 params (and <= 1000 entries) per log_batch
 METRICS_PER_BATCH = 500
+CHANGED_ON_RESUME = "params_changed_on_resume"  # the tag naming params a resume logged with another value
 
 
 class Journal:
@@ -124,9 +125,24 @@ class Delivery:
             self.journal.save_state(run_id=run_id)
         return run_id
 
+    def _log_params(self, run: Any, params: dict[str, str]) -> dict[str, str]:
+        """Log the params ``run`` does not have yet; returns the tag that names those a resume changed
+        (MLflow params are immutable), merged with the names the tag already held, or {} if none changed."""
+        from mlflow.entities import Param
+
+        have = run.data.params
+        new = [Param(k, v) for k, v in params.items() if k not in have]
+        for i in range(0, len(new), PARAMS_PER_BATCH):
+            self.client.log_batch(run.info.run_id, params=new[i : i + PARAMS_PER_BATCH])
+        changed = {k for k, v in params.items() if k in have and have[k] != v}
+        if not changed:
+            return {}
+        before = run.data.tags.get(CHANGED_ON_RESUME, "")
+        return {CHANGED_ON_RESUME: ",".join(sorted(changed | {k for k in before.split(",") if k}))}
+
     def flush(self) -> int:
         """Deliver every pending record in order; raises on the first failure (state keeps the rest)."""
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, RunTag
 
         records = self.journal.records()
         done = self.journal.state()["delivered"]
@@ -139,15 +155,16 @@ class Delivery:
                 run = self.client.get_run(run_id)
                 if run.info.status != "RUNNING":
                     self.client.update_run(run_id, status="RUNNING")
-                have = run.data.params
-                params = [Param(k, v) for k, v in rec["params"].items() if k not in have]
-                changed = sorted(k for k, v in rec["params"].items() if k in have and have[k] != v)
-                for i in range(0, len(params), PARAMS_PER_BATCH):
-                    self.client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH])
-                tags = dict(rec["tags"])
-                if changed:  # params are immutable in MLflow; say what a resume changed instead
-                    tags["params_changed_on_resume"] = ",".join(changed)
+                tags = {**rec["tags"], **self._log_params(run, rec["params"])}
                 self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+                n = 1
+            elif op == "params":
+                run_id = self.journal.state()["run_id"]
+                if run_id is None:
+                    raise RuntimeError("journal has records before its start record")
+                tags = self._log_params(self.client.get_run(run_id), rec["params"])
+                if tags:
+                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
                 n = 1
             else:
                 run_id = self.journal.state()["run_id"]

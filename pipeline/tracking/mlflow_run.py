@@ -31,6 +31,21 @@ RETRY_AFTER_S = 60.0  # while offline, try the server again at most this often (
 log = logging.getLogger("prism.tracking")
 
 
+# MLflow's UI (3.17, 3.18) shows an experiment in one of two modes, "GenAI" (an empty Overview of traces;
+# training runs filed under "Evaluation runs") and "Model training" (the runs list). The mode comes from the
+# URL's `workflowType`, else the browser's last choice, default GenAI; the experiment tag
+# `mlflow.experimentKind` does not choose it in these versions. So every link we print carries the mode.
+UI_MODE = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves an SQLite store by default
+
+
+def ui_page(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The UI link of a run (or, without run_id, of the experiment's runs list), in Model-training mode."""
+    base = redact_uri(uri).rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    page = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
+    return f"{base}/{page}?{UI_MODE}"
+
+
 def milestone_key(threshold: float, what: str) -> str:
     """``milestone/val_4.0_tokens``: the threshold as Python prints the float (4.0, 3.85)."""
     return f"milestone/val_{float(threshold)!r}_{what}"
@@ -146,6 +161,14 @@ class MlflowTracker:
         if self.online and self.run_id is not None:
             self._keep_system_metrics()
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params beyond the config (the data plan of this start); a resume that logs another value keeps the
+        first one (MLflow params are immutable) and names the key in the run's `params_changed_on_resume` tag."""
+        self.journal.append(
+            {"op": "params", "time": _now_ms(), "params": {k: _param_value(v) for k, v in params.items()}}
+        )
+        self._deliver()
+
     def log_artifact_text(self, text: str, name: str) -> None:
         # The text is kept beside the journal so a replay can still upload it.
         rel = Path("tracking-artifacts") / f"{len(self.journal.records()):06d}" / Path(name).name
@@ -176,8 +199,9 @@ class MlflowTracker:
                 self.journal.folder,
             )
 
-    def ui_url(self) -> str | None:
-        """Where to look at this run in the MLflow UI (password masked), or None before the run exists."""
+    def ui_links(self) -> tuple[str, str] | None:
+        """(this run's page, its experiment's runs list) in the MLflow UI (password masked), or None before
+        the run exists. For an SQLite store the links assume `mlflow ui` on its default address."""
         run_id = self.journal.state().get("run_id")
         if run_id is None:
             return None
@@ -185,10 +209,19 @@ class MlflowTracker:
             exp_id = self.delivery.experiment_id()
         except Exception:  # noqa: BLE001 - the store went away since start(); the URL is a nicety
             return None
-        page = f"#/experiments/{exp_id}/runs/{run_id}"
+        return ui_page(self.uri, exp_id, run_id), ui_page(self.uri, exp_id)
+
+    def ui_url(self) -> str | None:
+        """What `prism train` prints after "MLflow run ": the run's link, and on an indented second line the
+        experiment's runs list (and, for an SQLite store, the command that serves both)."""
+        links = self.ui_links()
+        if links is None:
+            return None
+        run, runs = links
+        text = f"{run}\n  all runs of {self.cfg.experiment}: {runs}"
         if self.uri.startswith(("http://", "https://")):
-            return f"{redact_uri(self.uri).rstrip('/')}/{page}"
-        return f"http://127.0.0.1:5000/{page} (after: mlflow ui --backend-store-uri {redact_uri(self.uri)})"
+            return text
+        return f"{text} (after: mlflow ui --backend-store-uri {redact_uri(self.uri)})"
 
     # --- helpers ---------------------------------------------------------------------------------
     def _failed_if_unfinished(self) -> None:

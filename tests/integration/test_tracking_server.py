@@ -10,10 +10,11 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import config, schedule
+from pipeline import config, plan, schedule
 from pipeline.cli import main
 from pipeline.compare import latest_per_step
 from pipeline.config import flatten
+from pipeline.dataset import read_manifest
 from pipeline.tracking.journal import Journal, sync
 from pipeline.tracking.mlflow_run import MlflowTracker, milestone_key
 from tests.fixtures.tracked_runs import TRACKED_MILESTONES, TRACKED_STEPS
@@ -97,7 +98,9 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         )
         rid = run.info.run_id
         assert run.info.status == "FINISHED" and run.info.run_name == cfg.run_name
-        assert set(run.data.params) == set(flatten(cfg.to_dict()))
+        assert set(run.data.params) == set(flatten(cfg.to_dict())) | {"data/epochs", "data/tokens_per_epoch"}
+        manifest = read_manifest(cfg.data.dataset_dir)
+        assert run.data.params["data/tokens_per_epoch"] == str(plan.tokens_per_epoch(manifest, 1))
         assert run.data.params["schedule.heads"] == cfg.schedule.heads
         tags = run.data.tags
         assert tags["schedule"] == schedule.compact(cfg.heads_per_layer) and tags["config_hash"] == cfg.hash()
@@ -105,6 +108,7 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         assert Journal(cfg.checkpoint_dir).state()["run_id"] == rid
         assert {"config.yaml", "schedule.md"} <= {a.path for a in client.list_artifacts(rid)}
         keys = set(run.data.metrics)
+        assert not any(k.startswith("data/") for k in keys)  # constants are params, not charts
         assert {
             "train/loss",
             "val/loss",
@@ -130,4 +134,6 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
                 assert float(tags[milestone_key(x, "tokens")]) == tokens[first]
         assert "2.0" in tags["milestones_not_reached"].split(",")
         if cfg.run_name == "uniform-tiny-s2":
-            assert "train.train_tokens" in tags["params_changed_on_resume"]
+            # the second job doubled the budget, so twice the epochs: both names, the first values kept
+            assert set(tags["params_changed_on_resume"].split(",")) == {"train.train_tokens", "data/epochs"}
+            assert float(run.data.params["data/epochs"]) == round(3 * 1024 / plan.tokens_per_epoch(manifest, 1), 4)

@@ -187,5 +187,59 @@ def test_gpu_name_takes_its_peak_from_the_table(capsys):
     assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", name]) == 0
     want = plan.make_plan(config.load(P757), 1, 8, peak_flops=peak)
     assert f"of {peak / 1e12:,.0f} TFLOP/s per GPU" in capsys.readouterr().out and want.wall_seconds
-    assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", "H100"]) == 2  # no substring match
-    assert "not in the peak-FLOPs table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "typed, name",
+    [
+        ("H200", "NVIDIA H200"),  # not H200 NVL (exact words win), not GH200 (words match from their start)
+        ("h200 nvl", "NVIDIA H200 NVL"),
+        ("h100 sxm", "NVIDIA H100 80GB HBM3"),  # the form factor torch's name leaves out, from the alias
+        ("H100-PCIe", "NVIDIA H100 PCIe"),
+        ("l40", "NVIDIA L40"),  # not L40S
+        ("nvidia a100-sxm4-40gb", "NVIDIA A100-SXM4-40GB"),
+    ],
+)
+def test_gpu_accepts_a_unique_part_of_a_table_name(typed, name, capsys):
+    from pipeline.cli import main
+    from pipeline.hardware import PEAK_BF16_FLOPS, find_gpu
+
+    assert find_gpu(typed) == name
+    assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", typed]) == 0
+    assert f"of {PEAK_BF16_FLOPS[name] / 1e12:,.0f} TFLOP/s per GPU" in capsys.readouterr().out
+
+
+def test_gpu_names_that_share_one_peak_are_not_ambiguous():
+    from pipeline.hardware import PEAK_BF16_FLOPS, find_gpu
+
+    # A100-80GB is the SXM4 or the PCIe card: both 312 TFLOP/s, so either answers --gpu's question
+    assert PEAK_BF16_FLOPS[find_gpu("A100-80GB")] == 312e12
+    assert find_gpu("A100-80GB") in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")
+
+
+@pytest.mark.parametrize(
+    "typed, listed",
+    [
+        ("H100", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"]),  # 989.5 / 756.5 / 835.5
+        ("sxm", ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-40GB"]),  # aliases count too
+    ],
+)
+def test_gpu_refuses_an_ambiguous_name_listing_the_matches(typed, listed):
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", str(P757), "--gpu", typed],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "ambiguous" in out.stderr and all(name in out.stderr for name in listed)
+    assert "Traceback" not in out.stderr
+
+
+def test_gpu_refuses_an_unknown_name_naming_the_way_out(capsys):
+    from pipeline.cli import main
+
+    assert main(["plan", str(P757), "--gpu", "B300"]) == 2
+    err = capsys.readouterr().err
+    assert "matches no GPU" in err and "--peak-tflops" in err and "NVIDIA B200" in err
