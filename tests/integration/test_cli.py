@@ -15,6 +15,7 @@ VERBS = [
     "eval",
     "attention-distance",
     "sweep",
+    "search",
     "study",
     "demo",
 ]
