@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import checkpoint, data
+from pipeline import checkpoint, data, model_size
 from pipeline import plan as plan_lib
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
@@ -147,17 +147,20 @@ def peak_flops(cfg: Config, device: str) -> float | None:
     return device_peak_flops(cfg.train.peak_flops, device)
 
 
-def mfu_causal_attention(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> float | None:
-    """MFU with attention's matmuls halved for the causal mask (Megatron's / llm.c's convention); `mfu`
-    counts them in full (pipeline.hardware explains both)."""
+def mfu(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> dict[str, float]:
+    """perf/mfu (attention's matmuls counted in full, pipeline.model_size) and perf/mfu_causal (halved for the
+    causal mask, Megatron's / llm.c's convention; pipeline.hardware explains both); none without a peak."""
     from pipeline.hardware import causal_attention_discount
-    from pipeline.model import flops_per_token
 
     if not peak:
-        return None
+        return {}
     m = cfg.model
-    flops = causal_attention_discount(flops_per_token(cfg), cfg.heads_per_layer, m.d_model, m.seq_len)
-    return flops * tokens_per_sec / (peak * gpus)
+    full = model_size.flops_per_token(cfg)
+    causal = causal_attention_discount(full, cfg.heads_per_layer, m.d_model, m.seq_len)
+    return {
+        "perf/mfu": full * tokens_per_sec / (peak * gpus),
+        "perf/mfu_causal": causal * tokens_per_sec / (peak * gpus),
+    }
 
 
 def memory_gb(device: str) -> float:
@@ -306,12 +309,8 @@ def log_step(
     training): the line's tok/s averages those steps (validation included) and ETA extrapolates them."""
     import torch.distributed as dist
 
-    from pipeline.model import flops_per_token
-
     tok_s = cfg.train.batch_tokens / result.seconds
-    peak = peak_flops(cfg, device)
-    mfu = flops_per_token(cfg) * tok_s / (peak * dist.get_world_size()) if peak else None
-    mfu_causal = mfu_causal_attention(cfg, tok_s, peak, dist.get_world_size())
+    utilisation = mfu(cfg, tok_s, peak_flops(cfg, device), dist.get_world_size())
     metrics = {
         "train/loss": result.loss,
         "train/lr": result.lr,
@@ -323,9 +322,7 @@ def log_step(
     }
     if val_loss is not None:
         metrics["val/loss"] = val_loss
-    if mfu is not None:
-        metrics["perf/mfu"] = mfu
-        metrics["perf/mfu_causal"] = mfu_causal
+    metrics.update(utilisation)
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
@@ -341,7 +338,7 @@ def log_step(
             + (f" | val {val_loss:.4f}" if val_loss is not None else "")
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
             + timing
-            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + (f" | mfu {100 * utilisation['perf/mfu']:.1f}%" if utilisation else "")
             + f" | mem {metrics['perf/memory_gb']:.2f} GB",
             flush=True,
         )

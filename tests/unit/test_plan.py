@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config, plan
+from pipeline import config, model_size, plan
 from pipeline.config import ConfigError
 from pipeline.dataset import DataError
 
@@ -64,7 +64,7 @@ def test_memory_per_gpu_by_zero_stage_by_hand(stage, precision, expected):
 def test_tensor_parallel_divides_weights_and_megatron_attention_stores_scores():
     cfg = config.load(P757, ["parallel.tp=2", "model.attention_backend=megatron"])
     mem = plan.memory_per_gpu(cfg, dp_size=4)
-    n_tp2 = plan.parameter_count(cfg)  # vocab padded to 128 x 2 = 256: 50,432
+    n_tp2 = model_size.parameter_count(cfg)  # vocab padded to 128 x 2 = 256: 50,432
     assert n_tp2 == 24 * (4 * 1536**2 + 3 * 1536 * 4096 + 4 * 1536) + 50_432 * 1536 + 2 * 1536
     assert mem["parameters"] == pytest.approx(n_tp2 / 2 * 2)
     heads = (6,) * 3 + (12,) * 3 + (16,) * 18
