@@ -414,8 +414,7 @@ def train(cfg: Config) -> dict[str, Any]:
     if resume.finished:
         return checkpoint.finished_summary(cfg, resume)
     resume_tag = resume.tag
-    manifest = data.read_manifest(cfg.data.dataset_dir)
-    data.check_compatible(manifest, cfg)
+    manifest = data.checked_manifest(cfg)  # the one compatibility check of this start
     device = train_device(cfg)
 
     init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)

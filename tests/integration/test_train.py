@@ -200,6 +200,19 @@ def test_resume_refused_after_model_change(reference, tiny_data):
         train(cfg)
 
 
+@pytest.mark.megatron_compat
+def test_a_start_checks_the_dataset_once(tiny_data, tmp_path, monkeypatch):
+    """One compatibility check per start (it hashes the tokenizer), not one per reader of the dataset."""
+    from pipeline import data
+    from pipeline.train import train
+
+    hashed, real = [], data.sha256_file
+    monkeypatch.setattr(data, "sha256_file", lambda path: hashed.append(path) or real(path))
+    cfg = config.load(PRESET, [*overrides(tiny_data, tmp_path), "train.train_tokens=2048"])
+    assert train(cfg)["exit_code"] == 0
+    assert hashed == [Path(cfg.data.tokenizer)]
+
+
 def test_signal_checkpoints_at_step_boundary_and_exits_3(reference, tiny_data, tmp_path):
     _, ref, _ = reference
     ov = overrides(tiny_data, tmp_path, "checkpoint.every_steps=100")
