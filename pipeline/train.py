@@ -246,15 +246,25 @@ def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: 
     return StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
 
 
-def is_sync_step(cfg: Config, step: int, total_steps: int) -> bool:
-    """Steps whose loss and grad norm come back to the host: log, val, checkpoint and the first and last."""
-    t = cfg.train
-    return (
-        step in (1, total_steps)
-        or step % t.log_every == 0
-        or step % t.val_every == 0
-        or step % cfg.checkpoint.every_steps == 0
-    )
+@dataclass(frozen=True)
+class StepPlan:
+    """What the loop does after one optimizer step; every flag implies ``sync``."""
+
+    sync: bool  # read the loss and grad norm back to the host (the step's one device sync)
+    validate: bool
+    log: bool
+    checkpoint: bool
+
+
+def step_plan(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepPlan:
+    """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
+    first step logs, the last does everything, a stop signal checkpoints; the others only read back on
+    a sync step, so their losses stay on the device until then."""
+    t, last = cfg.train, step == total_steps
+    validate = step % t.val_every == 0 or last
+    log = step == 1 or step % t.log_every == 0 or validate
+    checkpoint = step % cfg.checkpoint.every_steps == 0 or last or stop
+    return StepPlan(sync=log or checkpoint, validate=validate, log=log, checkpoint=checkpoint)
 
 
 class UnreadSteps:
@@ -472,7 +482,8 @@ def train(cfg: Config) -> dict[str, Any]:
         step = state.step
         unread.add(step, result)
         stop = stop_check()
-        if not stop and not is_sync_step(cfg, step, total_steps):
+        actions = step_plan(cfg, step, total_steps, stop)
+        if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
         bad = unread.read_back(recent)  # the one host sync since the last sync step
         if bad is not None:
@@ -482,15 +493,15 @@ def train(cfg: Config) -> dict[str, Any]:
         train_loss = result.loss
 
         val_loss = None
-        if step % t.val_every == 0 or step == total_steps:
+        if actions.validate:
             val_loss = last_val = evaluate(engine, val_rows, micro, device)
-        if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
+        if actions.log:
             now = time.perf_counter()
             progress = (state.step - last_line_step, now - last_line, now - started)
             log_step(cfg, tracker, state, total_steps, result, val_loss, device, progress)
             last_line, last_line_step = now, state.step
 
-        if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
+        if actions.checkpoint:
             tag = checkpoint.save(engine, cfg, state)
             if master:
                 print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
