@@ -82,11 +82,6 @@ def resolve_tag_dir(path: str | Path) -> Path:
     raise ConfigError(f"{path}: neither a checkpoint tag folder (config.yaml) nor a folder with a `latest` file")
 
 
-def check_resume(cfg: Config) -> str | None:
-    """The tag to resume from (None for a fresh run); see resume_point for the checks."""
-    return resume_point(cfg).tag
-
-
 # --- integrity: what a complete checkpoint holds ----------------------------------------------------------
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -168,7 +163,7 @@ class Resume:
     step: int = 0
     finished: bool = False
     saved_dp_size: int | None = None
-    notes: list[str] = field(default_factory=list)  # one line each, printed by rank 0 (e.g. a fallback)
+    damaged: list[str] = field(default_factory=list)  # newer tags passed over, "<tag>: <what is wrong>" each
 
 
 def _tag_step(name: str) -> int | None:
@@ -225,12 +220,7 @@ def resume_point(cfg: Config) -> Resume:
             f"{ckpt_dir}: no intact checkpoint to resume from ({'; '.join(damaged)}); delete {ckpt_dir} to "
             f"start the run over, or write an intact tag's name into {pointer}"
         )
-    resume = Resume(tag=chosen, step=_tag_step(chosen))
-    if damaged:
-        resume.notes.append(
-            f"prism train: warning: {damaged[0]}; resuming from {chosen}, the newest intact checkpoint"
-            + (f" ({len(damaged) - 1} more damaged)" if len(damaged) > 1 else "")
-        )
+    resume = Resume(tag=chosen, step=_tag_step(chosen), damaged=damaged)
     resume.saved_dp_size = (read_integrity(ckpt_dir / chosen) or {}).get("dp_size")
     resume.finished = resume.step >= cfg.steps(1)["total"]
     _, world = _world()
@@ -305,28 +295,6 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
             f"is supported for parallel.zero_stage 1 and 2 only (stage {cfg.parallel.zero_stage} keeps its "
             f"optimizer state in another layout); resume with {saved_dp * cfg.parallel.tp} processes"
         )
-
-
-def finished_summary(cfg: Config, resume: Resume) -> dict[str, Any]:
-    """What `train` returns for a run whose last step is already checkpointed: nothing is trained."""
-    if _world()[0] == 0:
-        for note in resume.notes:
-            print(note, flush=True)
-        print(
-            f"prism train: {cfg.run_name} already finished: {cfg.checkpoint_dir / resume.tag} is step "
-            f"{resume.step} of {cfg.steps(1)['total']}; nothing to do (to train again, use another run.output_dir)",
-            flush=True,
-        )
-    return {
-        "steps": resume.step,
-        "total_steps": cfg.steps(1)["total"],
-        "tokens_seen": resume.step * cfg.train.batch_tokens,
-        "train_loss": float("nan"),
-        "val_loss": None,
-        "run_id": None,
-        "exit_reason": "already_finished",
-        "exit_code": 0,
-    }
 
 
 def _lookup(d: dict[str, Any], dotted: str) -> Any:
@@ -470,7 +438,7 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     if not flag.item():
         return
     causes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(causes, None if failure is None else _write_cause(failure, ckpt_dir))
+    dist.all_gather_object(causes, None if failure is None else write_failure_cause(failure, ckpt_dir))
     if dist.get_rank() == 0:
         shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
         if read_latest(ckpt_dir) == tag:  # the pointer itself may have been the write that failed
@@ -484,10 +452,6 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     )
 
 
-def _write_cause(e: BaseException, ckpt_dir: Path) -> str:
-    return write_failure_cause(e, ckpt_dir)
-
-
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
     tags = sorted(p.name for p in Path(checkpoint_dir).glob("step-*") if p.is_dir())
     for old in tags[: max(0, len(tags) - max(1, keep_last))]:
@@ -495,8 +459,9 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(Path(checkpoint_dir) / old, ignore_errors=True)
 
 
-def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
-    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included).
+def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
+    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included); returns
+    the data-parallel size it was saved at.
 
     At another data-parallel size than the save (elastic resume, ZeRO 1/2, bf16 included): the module weights
     load as usual, the optimizer's fp32 master weights and moments are merged from every saved partition and
@@ -532,12 +497,7 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
     source = (dp_rank % saved_dp) * tp + tp_rank  # megatron orders ranks TP-innermost
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
     state.load_state_dict({**shared, **ranks[source]})
-    if elastic and dist.get_rank() == 0:
-        print(
-            f"prism train: elastic resume: {tag} was saved at data-parallel size {saved_dp}, continuing at {dp} "
-            f"(same global batch; optimizer partitions re-split, data position mapped)",
-            flush=True,
-        )
+    return saved_dp
 
 
 # --- reading weights (inference) ------------------------------------------------------------------------

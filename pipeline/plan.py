@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.console import duration
 from pipeline.dataset import MANIFEST, DataError
 from pipeline.model_size import flops_per_token, padded_vocab, parameter_count
 
@@ -209,11 +210,6 @@ def make_plan(
     )
 
 
-def _duration(seconds: float) -> str:
-    h, rest = divmod(round(seconds), 3600)
-    return f"{h}h {rest // 60:02d}m" if h else f"{rest // 60}m {rest % 60:02d}s"
-
-
 def format_plan(cfg: Config, plan: Plan) -> str:
     m, mem = cfg.model, plan.memory
     epochs = "unknown" if plan.epochs is None else f"{plan.epochs:.2f}" + (" (repeats data)" if plan.epochs > 1 else "")
@@ -235,7 +231,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         lines.append(f"  wall time    unknown at MFU {plan.mfu:.0%}: pass --peak-tflops (e.g. 989 for H100 SXM bf16)")
     else:
         lines.append(
-            f"  wall time    {_duration(plan.wall_seconds)} at MFU {plan.mfu:.0%} of {plan.peak_flops / 1e12:,.0f} "
+            f"  wall time    {duration(plan.wall_seconds)} at MFU {plan.mfu:.0%} of {plan.peak_flops / 1e12:,.0f} "
             f"TFLOP/s per GPU"
         )
     return "\n".join(lines)

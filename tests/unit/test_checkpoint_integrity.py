@@ -62,7 +62,7 @@ def test_resume_point_falls_back_past_damage_and_respects_a_rolled_back_pointer(
     (six / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     resume = checkpoint.resume_point(cfg)
     assert resume.tag == "step-0000003" and not resume.finished
-    assert "step-0000006: zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in resume.notes[0]
+    assert "step-0000006: zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in resume.damaged[0]
     make_tag(cfg, 9)
     (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a user rolled back: newer tags are ignored
     assert checkpoint.resume_point(cfg).tag == "step-0000003"

@@ -93,10 +93,10 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     (tmp_path / "step-0000002" / "config.yaml").write_text(cfg.dump())
     (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")  # a checkpoint without a record
     (tmp_path / "latest").write_text("step-0000002")
-    assert checkpoint.check_resume(cfg) == "step-0000002"
+    assert checkpoint.resume_point(cfg).tag == "step-0000002"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
     with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
-        checkpoint.check_resume(other)
+        checkpoint.resume_point(other)
     assert yaml.safe_load(cfg.dump())["model"]["spec"] == "local"  # the checkpoint's config records it
 
 

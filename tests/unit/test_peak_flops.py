@@ -48,7 +48,10 @@ def test_no_entry_is_found_by_a_substring_of_another_device():
 def test_peak_flops_override_cpu_and_unknown_gpu(monkeypatch, caplog):
     import torch
 
-    from pipeline.train import peak_flops
+    from pipeline.hardware import device_peak_flops
+
+    def peak_flops(cfg, device):  # what the trainer's MFU asks for
+        return device_peak_flops(cfg.train.peak_flops, device)
 
     cfg = config.load("configs/tiny_prism.yaml")
     assert peak_flops(cfg, "cpu") is None

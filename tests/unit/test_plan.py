@@ -154,7 +154,7 @@ def test_prism_plan_cli_prints_the_plan_without_heavy_imports():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "TP 1 x DP 8" in out.stdout and "grad_accum 8" in out.stdout and "39,997 optimizer steps" in out.stdout
-    assert "memory/GPU" in out.stdout and "wall time    9h" in out.stdout
+    assert "memory/GPU" in out.stdout and "wall time    9 h" in out.stdout
     lines = out.stdout.strip().splitlines()
     assert lines[-1] == "[]"  # arithmetic only: no heavy import, so it answers in well under a second
     bad = subprocess.run(
