@@ -30,6 +30,7 @@ from pipeline import plan as plan_lib
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
+from pipeline.console import Pace, Progress, duration
 from pipeline.dataset import DataError, read_shard
 from pipeline.distributed import (
     StopSignal,
@@ -269,6 +270,10 @@ class UnreadSteps:
     def add(self, step: int, result: StepResult) -> None:
         self.steps.append((step, result))
 
+    def restart_clock(self) -> None:
+        """After a sync step's validation, log and checkpoint: the next steps' time is training time only."""
+        self.since = time.perf_counter()
+
     def read_back(self, recent: deque[float]) -> tuple[int, StepResult] | None:
         """Floats for every unread step (the first one that is not finite is returned); each step's time
         becomes the mean wall time since the last sync, the only honest figure once kernels run async."""
@@ -303,12 +308,10 @@ def log_step(
     result: StepResult,
     val_loss: float | None,
     device: str,
-    progress: tuple[int, float, float] | None = None,
+    pace: Pace | None = None,
 ) -> None:
-    """Metrics to the tracker and, on rank 0, one console line.
-
-    ``progress`` = (steps since the last line, their wall seconds, seconds since this process started
-    training): the line's tok/s averages those steps (validation included) and ETA extrapolates them."""
+    """Metrics to the tracker and, on rank 0, one console line; its tok/s and ETA are ``pace``'s (the
+    training rate over the steps since the last line, console.Progress)."""
     import torch.distributed as dist
 
     tok_s = cfg.train.batch_tokens / result.seconds
@@ -331,13 +334,9 @@ def log_step(
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
-        if progress is not None and progress[0] > 0 and progress[1] > 0:
-            from pipeline.console import duration
-
-            steps, seconds, elapsed = progress
-            tok_s = steps * cfg.train.batch_tokens / seconds
-            eta = (total_steps - state.step) * seconds / steps
-            timing = f" | {duration(elapsed)} elapsed, ETA {duration(eta)}"
+        if pace is not None:
+            tok_s = pace.tokens_per_sec
+            timing = f" | {duration(pace.elapsed)} elapsed, ETA {duration(pace.eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
             + (f" | val {val_loss:.4f}" if val_loss is not None else "")
@@ -504,8 +503,15 @@ def loop(run: Run) -> int:
     recent: deque[float] = deque(maxlen=20)  # the last losses, for a NaN step's diagnostic
     stop_check = stop_agreement(run.stopper, run.device)
     unread = UnreadSteps()
-    started = last_line = time.perf_counter()  # console progress: wall time of the steps since the last line
-    last_line_step = state.step
+    plans = {step: step_plan(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
+    progress = Progress(
+        run.total_steps,
+        state.step,
+        t.batch_tokens,
+        validation_steps=[s for s, p in plans.items() if p.validate],
+        checkpoint_steps=[s for s, p in plans.items() if p.checkpoint],
+        validation_tokens=run.val_rows.shape[0] * cfg.model.seq_len,
+    )
     while state.step < run.total_steps:
         lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
         result = train_step(run.engine, run.optimizer, run.loader, lr, run.grad_accum, run.device)
@@ -523,15 +529,15 @@ def loop(run: Run) -> int:
 
         val_loss = None
         if actions.validate:
-            val_loss = run.val_loss = evaluate(run.engine, run.val_rows, t.micro_batch_size, run.device)
+            with progress.aside("validation"):
+                val_loss = run.val_loss = evaluate(run.engine, run.val_rows, t.micro_batch_size, run.device)
         if actions.log:
-            now = time.perf_counter()
-            progress = (state.step - last_line_step, now - last_line, now - started)
-            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, progress)
-            last_line, last_line_step = now, state.step
+            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, progress.pace(state.step))
         if actions.checkpoint:
-            tag = checkpoint.save(run.engine, cfg, state)
+            with progress.aside("checkpoint"):
+                tag = checkpoint.save(run.engine, cfg, state)
             say(f"prism train: checkpoint {cfg.checkpoint_dir / tag}")
+        unread.restart_clock()  # the steps' own time (perf/step_time) leaves this step's extra work out
         if stop and state.step < run.total_steps:  # a signal at the final step: the run is done, nothing to resume
             say(
                 f"prism train: stop signal received; checkpoint at step {state.step} written, exiting with "
