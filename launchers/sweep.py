@@ -29,10 +29,10 @@ import submitit
 from pipeline import config, schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.train import EXIT_STOPPED  # prism train: checkpointed after a stop signal
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_VALID = "all-valid"
-EXIT_STOPPED = 3  # prism train: checkpointed after a stop signal
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,12 +47,18 @@ def config_file(tag_dir: Path) -> Path:
 
 
 # --- where checkpoints are -------------------------------------------------------------------------------
+def read_latest(checkpoint_dir: Path) -> str | None:
+    """What ``<checkpoint_dir>/latest`` says, unchecked (None without the file): the pointer's one reader."""
+    pointer = Path(checkpoint_dir) / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
 def latest_tag(checkpoint_dir: Path) -> str | None:
     """The tag ``<checkpoint_dir>/latest`` names, None without one; refuses a pointer to a missing folder."""
     pointer = Path(checkpoint_dir) / LATEST
-    if not pointer.is_file():
+    tag = read_latest(checkpoint_dir)
+    if tag is None:
         return None
-    tag = pointer.read_text().strip()
     if not (Path(checkpoint_dir) / tag).is_dir():
         raise ConfigError(
             f"{pointer}: names tag {tag!r}, which does not exist; restore that folder, pass an existing tag "
@@ -74,11 +80,6 @@ def resolve_tag_dir(path: str | Path) -> Path:
         if tag is not None:
             return candidate / tag
     raise ConfigError(f"{path}: neither a checkpoint tag folder (config.yaml) nor a folder with a `latest` file")
-
-
-def check_resume(cfg: Config) -> str | None:
-    """The tag to resume from (None for a fresh run); see resume_point for the checks."""
-    return resume_point(cfg).tag
 
 
 # --- integrity: what a complete checkpoint holds ----------------------------------------------------------
@@ -162,7 +163,7 @@ class Resume:
     step: int = 0
     finished: bool = False
     saved_dp_size: int | None = None
-    notes: list[str] = field(default_factory=list)  # one line each, printed by rank 0 (e.g. a fallback)
+    damaged: list[str] = field(default_factory=list)  # newer tags passed over, "<tag>: <what is wrong>" each
 
 
 def _tag_step(name: str) -> int | None:
@@ -187,9 +188,8 @@ def resume_point(cfg: Config) -> Resume:
     ckpt_dir = Path(cfg.checkpoint_dir)
     check_writable(ckpt_dir)
     pointer = ckpt_dir / LATEST
-    named, limit, pointer_problem = None, None, None
-    if pointer.is_file():
-        named = pointer.read_text().strip()
+    named, limit, pointer_problem = read_latest(ckpt_dir), None, None
+    if named is not None:
         if _tag_step(named) is None:
             pointer_problem = f"{pointer} holds {named!r}, not a checkpoint tag"
             named = None
@@ -220,18 +220,12 @@ def resume_point(cfg: Config) -> Resume:
             f"{ckpt_dir}: no intact checkpoint to resume from ({'; '.join(damaged)}); delete {ckpt_dir} to "
             f"start the run over, or write an intact tag's name into {pointer}"
         )
-    resume = Resume(tag=chosen, step=_tag_step(chosen))
-    if damaged:
-        resume.notes.append(
-            f"prism train: warning: {damaged[0]}; resuming from {chosen}, the newest intact checkpoint"
-            + (f" ({len(damaged) - 1} more damaged)" if len(damaged) > 1 else "")
-        )
-    _check_plan(cfg, ckpt_dir / chosen)
-    record = read_integrity(ckpt_dir / chosen) or {}
-    resume.saved_dp_size = record.get("dp_size")
+    resume = Resume(tag=chosen, step=_tag_step(chosen), damaged=damaged)
+    resume.saved_dp_size = (read_integrity(ckpt_dir / chosen) or {}).get("dp_size")
     resume.finished = resume.step >= cfg.steps(1)["total"]
-    if not resume.finished:
-        _check_layout_change(cfg, ckpt_dir / chosen, resume.saved_dp_size)
+    _, world = _world()
+    dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
+    check_resume_policy(cfg, ckpt_dir / chosen, resume.saved_dp_size, None if resume.finished else dp)
     return resume
 
 
@@ -243,10 +237,19 @@ def _legacy_problem(tag_dir: Path) -> str | None:
     return None
 
 
-# Keys that change the training trajectory without changing what the weights are: a resume refuses them
-# unless the user names them in checkpoint.allow_changes (e.g. a lower train.lr after a NaN).
-def _check_plan(cfg: Config, tag_dir: Path) -> None:
-    """Refuse a resume whose config changes the model, the data or the training plan, naming the key."""
+# --- the resume policy: may this checkpoint continue as this config, here -----------------------------------
+# ZeRO stages whose optimizer partitions `load` merges and re-splits at another data-parallel size (bf16 at
+# stage 1 runs DeepSpeed's BF16_Optimizer, every other combination its ZeRO optimizer; both are handled).
+ELASTIC_ZERO_STAGES = (1, 2)
+
+
+def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: int | None) -> None:
+    """The one resume policy, decided before any weights load; refuses in one line naming the key:
+    - a change of the model or the data (config.MODEL_OR_DATA_KEYS; the layer spec included);
+    - a change of tensor-parallel size (weights and optimizer state are split per TP rank);
+    - a change of the training plan (config.PLAN_KEYS) unless checkpoint.allow_changes names it;
+    - a change of data-parallel size ``saved_dp`` -> ``dp`` unless the ZeRO stage is in ELASTIC_ZERO_STAGES
+      (``dp`` None: nothing will train here, e.g. the run is finished; ``saved_dp`` None: not recorded)."""
     from pipeline.config import PLAN_KEYS
 
     saved_path = config_file(tag_dir)
@@ -284,43 +287,14 @@ def _check_plan(cfg: Config, tag_dir: Path) -> None:
             f"{saved_path}: cannot resume, {key} changed ({_lookup(saved, key)!r} -> {_lookup(now, key)!r}) and it "
             f"changes the training plan; restore it, accept it with checkpoint.allow_changes=[{key}], or {fresh}"
         )
-
-
-def _check_layout_change(cfg: Config, tag_dir: Path, saved_dp: int | None) -> None:
-    """A resume at another data-parallel size: supported for ZeRO stages 1 and 2 (their optimizer partitions
-    are merged and re-split); anything else is refused here, before any weights load."""
-    _, world = _world()
-    dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
     if saved_dp is None or dp is None or saved_dp == dp:
         return
-    if cfg.parallel.zero_stage not in (1, 2):
+    if cfg.parallel.zero_stage not in ELASTIC_ZERO_STAGES:
         raise ConfigError(
             f"{tag_dir}: saved at data-parallel size {saved_dp}, this run has {dp}; resuming at another DP size "
             f"is supported for parallel.zero_stage 1 and 2 only (stage {cfg.parallel.zero_stage} keeps its "
             f"optimizer state in another layout); resume with {saved_dp * cfg.parallel.tp} processes"
         )
-
-
-def finished_summary(cfg: Config, resume: Resume) -> dict[str, Any]:
-    """What `train` returns for a run whose last step is already checkpointed: nothing is trained."""
-    if _world()[0] == 0:
-        for note in resume.notes:
-            print(note, flush=True)
-        print(
-            f"prism train: {cfg.run_name} already finished: {cfg.checkpoint_dir / resume.tag} is step "
-            f"{resume.step} of {cfg.steps(1)['total']}; nothing to do (to train again, use another run.output_dir)",
-            flush=True,
-        )
-    return {
-        "steps": resume.step,
-        "total_steps": cfg.steps(1)["total"],
-        "tokens_seen": resume.step * cfg.train.batch_tokens,
-        "train_loss": float("nan"),
-        "val_loss": None,
-        "run_id": None,
-        "exit_reason": "already_finished",
-        "exit_code": 0,
-    }
 
 
 def _lookup(d: dict[str, Any], dotted: str) -> Any:
@@ -420,7 +394,7 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
             "dp_size": dp_size,
         },
     }
-    previous = _last_good(ckpt_dir)
+    previous = read_latest(ckpt_dir)
     if dist.get_rank() == 0 and (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)  # left by a run rolled back past it, or damaged: never mix two saves
     dist.barrier()
@@ -452,11 +426,6 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     return tag
 
 
-def _last_good(ckpt_dir: Path) -> str | None:
-    pointer = Path(ckpt_dir) / LATEST
-    return pointer.read_text().strip() if pointer.is_file() else None
-
-
 def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, previous: str | None) -> None:
     """A collective: if any rank failed to write, every rank raises the same one-line error; the partial
     folder is removed so nothing half-written stays (and its space comes back). ``latest`` is untouched."""
@@ -469,10 +438,10 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     if not flag.item():
         return
     causes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(causes, None if failure is None else _write_cause(failure, ckpt_dir))
+    dist.all_gather_object(causes, None if failure is None else write_failure_cause(failure, ckpt_dir))
     if dist.get_rank() == 0:
         shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
-        if _last_good(ckpt_dir) == tag:  # the pointer itself may have been the write that failed
+        if read_latest(ckpt_dir) == tag:  # the pointer itself may have been the write that failed
             (Path(ckpt_dir) / LATEST).unlink(missing_ok=True)
     dist.barrier()
     cause = next(c for c in causes if c is not None)
@@ -483,10 +452,6 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     )
 
 
-def _write_cause(e: BaseException, ckpt_dir: Path) -> str:
-    return write_failure_cause(e, ckpt_dir)
-
-
 def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
     tags = sorted(p.name for p in Path(checkpoint_dir).glob("step-*") if p.is_dir())
     for old in tags[: max(0, len(tags) - max(1, keep_last))]:
@@ -494,8 +459,9 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(Path(checkpoint_dir) / old, ignore_errors=True)
 
 
-def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
-    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included).
+def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
+    """Load tag into the engine and ``state`` (this rank's loader position and RNG states included); returns
+    the data-parallel size it was saved at.
 
     At another data-parallel size than the save (elastic resume, ZeRO 1/2, bf16 included): the module weights
     load as usual, the optimizer's fp32 master weights and moments are merged from every saved partition and
@@ -518,7 +484,6 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
         raise ConfigError(
             f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
         )
-    check_spec_matches(client, cfg, tag)
     if elastic:
         compat.load_zero_partitions_at_new_dp(engine, str(cfg.checkpoint_dir), tag)
     ranks = client["prism"]["ranks"]
@@ -532,23 +497,7 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> None:
     source = (dp_rank % saved_dp) * tp + tp_rank  # megatron orders ranks TP-innermost
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
     state.load_state_dict({**shared, **ranks[source]})
-    if elastic and dist.get_rank() == 0:
-        print(
-            f"prism train: elastic resume: {tag} was saved at data-parallel size {saved_dp}, continuing at {dp} "
-            f"(same global batch; optimizer partitions re-split, data position mapped)",
-            flush=True,
-        )
-
-
-def check_spec_matches(client: dict[str, Any], cfg: Config, tag: str) -> None:
-    """The layer spec is part of the weights' layout (TE fuses norms, adds _extra_state): refuse another one.
-    Checkpoints from before model.spec existed were built with the local spec."""
-    saved = client["prism"].get("spec", "local")
-    if saved != cfg.model.spec:
-        raise ConfigError(
-            f"{cfg.checkpoint_dir / tag}: built with model.spec={saved}, this run asks for model.spec="
-            f"{cfg.model.spec}; their weights do not load into each other, use model.spec={saved} to resume"
-        )
+    return saved_dp
 
 
 # --- reading weights (inference) ------------------------------------------------------------------------

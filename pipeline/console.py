@@ -1,4 +1,5 @@
 """The terminal is for prism's own lines; library noise goes to a log file. `--verbose` turns this off.
+Also here: the one duration format, and the trainer's rate and ETA (Progress).
 
 Noise handled here: Python warnings (megatron-core's "Transformer Engine and Apex are not installed" at
 import), MLflow's INFO lines (store creation, system-metrics monitor) and datatrove's per-task logs and stats
@@ -16,7 +17,9 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 LOG_ENV = "PRISM_LOG_FILE"
@@ -111,3 +114,69 @@ def duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+# --- the trainer's step line: rate and ETA -----------------------------------------------------------------
+@dataclass
+class Pace:
+    tokens_per_sec: float  # training only: validation and checkpoint time left out
+    elapsed: float  # seconds since training started in this process
+    eta: float  # remaining steps at the training rate + the validations and checkpoints still to come
+
+
+class Progress:
+    """What the step line says about speed. Training time is the wall time between two lines less the time
+    spent aside (``with progress.aside("validation")``, ``"checkpoint"``), so a validation step does not
+    look slow; the ETA adds the validations and checkpoints still to come at their measured mean cost
+    (a validation not yet measured: a forward pass over its tokens, a third of a training step per token).
+    ``clock`` is injectable so the rule can be tested with a fake one."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        step: int,
+        tokens_per_step: int,
+        validation_steps: Sequence[int],
+        checkpoint_steps: Sequence[int],
+        validation_tokens: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.total_steps, self.tokens_per_step, self.validation_tokens = total_steps, tokens_per_step, validation_tokens
+        self.upcoming = {"validation": sorted(validation_steps), "checkpoint": sorted(checkpoint_steps)}
+        self.spent = {"validation": [0.0, 0], "checkpoint": [0.0, 0]}  # seconds, count
+        self.clock = clock
+        self.started = self.last_line = clock()
+        self.last_step, self.aside_since_line = step, 0.0
+
+    @contextlib.contextmanager
+    def aside(self, kind: str) -> Iterator[None]:
+        """Time the block as ``kind`` (validation or checkpoint), not as training."""
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            seconds = self.clock() - t0
+            self.aside_since_line += seconds
+            self.spent[kind][0] += seconds
+            self.spent[kind][1] += 1
+
+    def pace(self, step: int) -> Pace | None:
+        """The rate and ETA for the line at ``step`` (after its validation, before its checkpoint); None when
+        no step was trained since the last line."""
+        now = self.clock()
+        steps, seconds = step - self.last_step, now - self.last_line - self.aside_since_line
+        self.last_line, self.last_step, self.aside_since_line = now, step, 0.0
+        if steps <= 0 or seconds <= 0:
+            return None
+        per_step = seconds / steps
+        validation = self._mean("validation", per_step * self.validation_tokens / self.tokens_per_step / 3)
+        eta = (
+            (self.total_steps - step) * per_step
+            + validation * sum(s > step for s in self.upcoming["validation"])  # this step's is done
+            + self._mean("checkpoint", 0.0) * sum(s >= step for s in self.upcoming["checkpoint"])  # its is not
+        )
+        return Pace(steps * self.tokens_per_step / seconds, now - self.started, eta)
+
+    def _mean(self, kind: str, unmeasured: float) -> float:
+        seconds, count = self.spent[kind]
+        return seconds / count if count else unmeasured

@@ -28,6 +28,14 @@ from pipeline.config import Config
 from pipeline.dataset import MANIFEST, DataError, iter_rows, read_manifest, read_shard, sample_bytes, sha256_file
 
 
+def checked_manifest(cfg: Config) -> dict[str, Any]:
+    """The dataset's manifest, schema-checked and compatible with ``cfg`` (check_compatible hashes the
+    tokenizer): read once per start and handed to the loader and the val set."""
+    manifest = read_manifest(cfg.data.dataset_dir)
+    check_compatible(manifest, cfg)
+    return manifest
+
+
 def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
     """Refuse a dataset whose tokenizer, vocab or sequence length disagree with the model config."""
     where = Path(cfg.data.dataset_dir) / MANIFEST
@@ -85,8 +93,7 @@ class ShardLoader:
     ):
         self.pin_memory = pin_memory  # CUDA: batches in page-locked memory, so host->device copies are async
         self.dataset_dir = Path(cfg.data.dataset_dir)
-        self.manifest = manifest if manifest is not None else read_manifest(self.dataset_dir)
-        check_compatible(self.manifest, cfg)
+        self.manifest = manifest if manifest is not None else checked_manifest(cfg)  # given: checked by the caller
         if split not in self.manifest["splits"]:
             raise DataError(f"{self.dataset_dir / MANIFEST}: no {split!r} split; re-run `prism prepare`")
         info = self.manifest["splits"][split]
@@ -348,8 +355,7 @@ def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.n
     """The fixed validation set: the first ``train.val_tokens // seq_len`` rows of the val split, in manifest
     and tar order (no shuffle), so both arms and every DP size see the same tokens. ``[n, seq_len+1]``."""
     dataset_dir = Path(cfg.data.dataset_dir)
-    manifest = manifest if manifest is not None else read_manifest(dataset_dir)
-    check_compatible(manifest, cfg)
+    manifest = manifest if manifest is not None else checked_manifest(cfg)  # given: checked by the caller
     want = max(1, cfg.train.val_tokens // cfg.model.seq_len)
     rows = []
     for row in iter_rows(dataset_dir, "val", manifest):

@@ -2,7 +2,8 @@
 
 Pure arithmetic on the Config (and the dataset's manifest when it is prepared); imports no torch, so
 `prism plan` answers in well under a second. The trainer uses the same functions for the layout
-(Config.steps) and for the epoch check, so the plan and the run cannot disagree.
+(Config.steps) and for the epoch check, and parameters and FLOPs per token are pipeline.model_size's (the
+model's and the MFU's), so the plan and the run cannot disagree.
 
 Memory per GPU is an estimate (ZeRO paper accounting, Megatron's activation formula), not a measurement:
 - parameters: bytes of the module's dtype (bf16: 2, fp32: 4); ZeRO-3 partitions them over DP;
@@ -23,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import schedule
 from pipeline.config import Config, ConfigError
+from pipeline.console import duration
 from pipeline.dataset import MANIFEST, DataError
+from pipeline.model_size import flops_per_token, padded_vocab, parameter_count
 
 GIB = 2**30
 # Known sizes of inputs the presets name, in GPT-2 tokens (FineWeb's sample cards), when not prepared yet.
@@ -49,34 +51,6 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
             f"or another parallel.tp"
         )
     return world_size // tp
-
-
-def padded_vocab(cfg: Config) -> int:
-    """The model's vocab: model.vocab_size rounded up to a multiple of 128 x TP (as pipeline.model does)."""
-    multiple = 128 * cfg.parallel.tp
-    return -(-cfg.model.vocab_size // multiple) * multiple
-
-
-def parameter_count(cfg: Config) -> int:
-    """Weights of the model: blocks, norms (LayerNorm has a bias per weight), embedding, untied output."""
-    m = cfg.model
-    gated = m.activation == "swiglu"
-    norm_extra = m.d_model if m.norm == "layernorm" else 0  # LayerNorm bias
-    blocks = sum(
-        schedule.layer_params(m.d_model, m.ffn_hidden_size, h, bias=m.bias, gated=gated) + 2 * norm_extra
-        for h in cfg.heads_per_layer
-    )
-    embedding = padded_vocab(cfg) * m.d_model
-    output = 0 if m.tie_embeddings else embedding
-    return blocks + embedding + output + m.d_model + norm_extra  # + final norm
-
-
-def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token, the trainer's MFU convention (pipeline.model.flops_per_token)."""
-    m = cfg.model
-    return schedule.training_flops_per_token(
-        cfg.heads_per_layer, m.d_model, m.ffn_hidden_size, m.seq_len, padded_vocab(cfg), gated=m.activation == "swiglu"
-    )
 
 
 # --- the dataset: tokens per epoch, the repeat rule, verify-on-start ---------------------------------------
@@ -236,11 +210,6 @@ def make_plan(
     )
 
 
-def _duration(seconds: float) -> str:
-    h, rest = divmod(round(seconds), 3600)
-    return f"{h}h {rest // 60:02d}m" if h else f"{rest // 60}m {rest % 60:02d}s"
-
-
 def format_plan(cfg: Config, plan: Plan) -> str:
     m, mem = cfg.model, plan.memory
     epochs = "unknown" if plan.epochs is None else f"{plan.epochs:.2f}" + (" (repeats data)" if plan.epochs > 1 else "")
@@ -262,7 +231,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         lines.append(f"  wall time    unknown at MFU {plan.mfu:.0%}: pass --peak-tflops (e.g. 989 for H100 SXM bf16)")
     else:
         lines.append(
-            f"  wall time    {_duration(plan.wall_seconds)} at MFU {plan.mfu:.0%} of {plan.peak_flops / 1e12:,.0f} "
+            f"  wall time    {duration(plan.wall_seconds)} at MFU {plan.mfu:.0%} of {plan.peak_flops / 1e12:,.0f} "
             f"TFLOP/s per GPU"
         )
     return "\n".join(lines)

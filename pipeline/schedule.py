@@ -2,7 +2,7 @@
 
 A uniform Transformer gives every layer ``h_base`` heads of ``d_model / h_base`` dims. Prism gives layer l
 ``h_l`` heads of ``d_model / h_l`` dims with h_1 <= ... <= h_L = h_base: few wide heads early, the baseline
-late. Q/K/V/O stay d x d, so parameters and FLOPs do not change (see ``layer_params`` / ``layer_flops``).
+late. Q/K/V/O stay d x d, so parameters and FLOPs do not change (pipeline.model_size counts them).
 
 A schedule is written as a list of head counts or in compact form, ``"3x2,6x2,8x2,12x6"`` (count x layers).
 Rules (from the paper): hard ones are always errors; the paper's guidelines are errors unless a config sets
@@ -14,6 +14,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from pipeline.model_size import layer_flops, layer_params
 
 # FlashAttention kernels support head dims up to 256; d_h 384 cost the paper 8.3 % throughput.
 MAX_HEAD_DIM = 256
@@ -289,47 +291,17 @@ def enumerate_valid(
         yield from grow(())
 
 
-# --- arithmetic per layer (the neutrality argument, and the MFU counter) ------------------------------
-def layer_params(d_model: int, ffn_hidden: int, heads: int, *, bias: bool = False, gated: bool = True) -> int:
-    """Weights of one block: fused QKV (d x 3d) + output (d x d) + MLP + two norms. ``heads`` does not
-    appear: that is the whole point."""
-    del heads  # shapes depend on h_l * d_h = d_model only
-    attn = 4 * d_model * d_model + (4 * d_model if bias else 0)
-    mlp = (3 if gated else 2) * d_model * ffn_hidden + (
-        (2 * ffn_hidden if gated else ffn_hidden) + d_model if bias else 0
-    )
-    return attn + mlp + 2 * d_model  # norm weights (biases of LayerNorm are counted by the model report)
-
-
-def layer_flops(d_model: int, ffn_hidden: int, heads: int, seq_len: int, *, gated: bool = True) -> dict[str, int]:
-    """Forward FLOPs per token of one block (multiply-add = 2). Attention scores and the weighted sum cost
-    2 * h_l * d_h * seq_len each (PaLM's convention, no causal discount), and h_l * d_h = d_model."""
-    head_dim = d_model // heads
-    return {
-        "projections": 2 * 4 * d_model * d_model,
-        "attention": 2 * 2 * heads * head_dim * seq_len,
-        "mlp": 2 * (3 if gated else 2) * d_model * ffn_hidden,
-    }
-
-
-def training_flops_per_token(
-    heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int, vocab: int, *, gated: bool = True
-) -> int:
-    """Forward + backward (x3) FLOPs per token: every block plus the logits projection."""
-    per_layer = sum(sum(layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated).values()) for h in heads)
-    return 3 * (per_layer + 2 * d_model * vocab)
-
-
-def layer_table(heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int) -> str:
+# --- the per-layer table `prism schedule validate` and `show` print (sizes from pipeline.model_size) ---
+def layer_table(heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int, *, gated: bool = True) -> str:
     """Per layer: heads, d_h, progressive stage, forward FLOPs per token (attention, projections), params."""
     rows = [
         f"{'layer':>5} {'heads':>5} {'d_h':>4} {'stage':>5} {'attn FLOPs/tok':>15} {'proj FLOPs/tok':>15} {'params':>11}"
     ]
     stage_of = {i: n + 1 for n, (_, s, e) in enumerate(stages(heads)) for i in range(s, e)}
     for i, h in enumerate(heads):
-        f = layer_flops(d_model, ffn_hidden, h, seq_len)
+        f = layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated)
         rows.append(
             f"{i + 1:>5} {h:>5} {d_model // h:>4} {stage_of[i]:>5} {f['attention']:>15,} "
-            f"{f['projections']:>15,} {layer_params(d_model, ffn_hidden, h):>11,}"
+            f"{f['projections']:>15,} {layer_params(d_model, ffn_hidden, h, gated=gated):>11,}"
         )
     return "\n".join(rows)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError
+from pipeline.console import duration
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -93,7 +94,10 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
                 if log is not None:
                     log.close()
                 running.remove(item)
-                print(f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{_elapsed(t0)} so far]", flush=True)
+                print(
+                    f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{duration(time.monotonic() - t0)} so far]",
+                    flush=True,
+                )
                 if rc != 0:
                     failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
 
@@ -108,14 +112,16 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
             time.sleep(1.0)
         cmd = [sys.executable, "-m", "pipeline.cli", "train", path, *overrides, f"run.seed={seed}"]
         if jobs == 1:
-            print(f"{head} -> {c.run_dir}  [{_elapsed(t0)} so far]", flush=True)
+            print(f"{head} -> {c.run_dir}  [{duration(time.monotonic() - t0)} so far]", flush=True)
             running.append((c.run_name, cmd, subprocess.Popen(cmd, env=env), None))
             reap(block=True)
         else:
             log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log = log_path.open("a")
-            print(f"{head} -> {c.run_dir}, console in {log_path}  [{_elapsed(t0)} so far]", flush=True)
+            print(
+                f"{head} -> {c.run_dir}, console in {log_path}  [{duration(time.monotonic() - t0)} so far]", flush=True
+            )
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((c.run_name, cmd, proc, log))
         if failed:
@@ -129,10 +135,5 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     print(result["table"])
     for p in result["paths"]:
         print(f"wrote {p}")
-    print(f"prism study: done in {_elapsed(t0)}", flush=True)
+    print(f"prism study: done in {duration(time.monotonic() - t0)}", flush=True)
     return 0
-
-
-def _elapsed(t0: float) -> str:
-    s = int(time.monotonic() - t0)
-    return f"{s // 60} min {s % 60:02d} s"

@@ -3,14 +3,18 @@
     prism train CONFIG [overrides]            # one process
     torchrun --nproc-per-node N -m pipeline.cli train CONFIG ...   # N processes (TP x DP)
 
-Read it bottom up: `train` is the loop (resume, validation, checkpoints, stop and NaN
-handling), `train_step` one optimizer step, `log_step` one log line. Process groups and collectives are in
-pipeline.distributed, what a checkpoint holds in pipeline.checkpoint.
+Read it bottom up: `train` refuses bad input and decides where to resume (pipeline.checkpoint), `setup` builds
+the Run (data, model, engine, initial weights, tracker), `loop` trains it, `finish` closes it. In the loop,
+`train_step` is one optimizer step, `step_plan` says what else the step does (sync, validate, log,
+checkpoint) and `log_step` writes one log line. Process groups and collectives are in pipeline.distributed,
+what a checkpoint holds in pipeline.checkpoint. The module is longer than most because the engine the loop
+drives (optimizer, DeepSpeed config) lives here too: benchmarks profile and patch it under this name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import sys
@@ -21,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import checkpoint, data
+from pipeline import checkpoint, data, model_size
 from pipeline import plan as plan_lib
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
+from pipeline.console import Pace, Progress, duration
 from pipeline.dataset import DataError, read_shard
 from pipeline.distributed import (
     StopSignal,
@@ -36,7 +41,8 @@ from pipeline.distributed import (
     train_device,
 )
 
-EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_NONFINITE = 0, 2, 3, 4
+# Exit codes of `prism train` (launchers/sweep.py reads them; bad input exits 2 through the CLI)
+EXIT_FINISHED, EXIT_STOPPED, EXIT_NONFINITE = 0, 3, 4
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -122,7 +128,7 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
         config=deepspeed_config(cfg, grad_accum, dp_size),
     )
     compat.remove_host_syncs(engine.optimizer)  # DeepSpeed's step reads the grad norm on the host otherwise
-    log_optimizer_stepped(engine, optimizer)
+    logging.getLogger(__name__).info("optimizer: %s", optimizer_stepped(engine, optimizer))
     return engine, optimizer
 
 
@@ -133,31 +139,21 @@ def optimizer_stepped(engine: Any, optimizer: Any) -> str:
     return f"{type(engine.optimizer).__name__} -> torch AdamW ({impl}) over {groups} tensors per param group"
 
 
-def log_optimizer_stepped(engine: Any, optimizer: Any) -> None:
-    import logging
-
-    logging.getLogger(__name__).info("optimizer: %s", optimizer_stepped(engine, optimizer))
-
-
 # --- measurements -------------------------------------------------------------------------------------
-def peak_flops(cfg: Config, device: str) -> float | None:
-    """Per-device peak for MFU: train.peak_flops, else an exact device-name match (pipeline.hardware)."""
-    from pipeline.hardware import device_peak_flops
-
-    return device_peak_flops(cfg.train.peak_flops, device)
-
-
-def mfu_causal_attention(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> float | None:
-    """MFU with attention's matmuls halved for the causal mask (Megatron's / llm.c's convention); `mfu`
-    counts them in full (pipeline.hardware explains both)."""
+def mfu(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> dict[str, float]:
+    """perf/mfu (attention's matmuls counted in full, pipeline.model_size) and perf/mfu_causal (halved for the
+    causal mask, Megatron's / llm.c's convention; pipeline.hardware explains both); none without a peak."""
     from pipeline.hardware import causal_attention_discount
-    from pipeline.model import flops_per_token
 
     if not peak:
-        return None
+        return {}
     m = cfg.model
-    flops = causal_attention_discount(flops_per_token(cfg), cfg.heads_per_layer, m.d_model, m.seq_len)
-    return flops * tokens_per_sec / (peak * gpus)
+    full = model_size.flops_per_token(cfg)
+    causal = causal_attention_discount(full, cfg.heads_per_layer, m.d_model, m.seq_len)
+    return {
+        "perf/mfu": full * tokens_per_sec / (peak * gpus),
+        "perf/mfu_causal": causal * tokens_per_sec / (peak * gpus),
+    }
 
 
 def memory_gb(device: str) -> float:
@@ -243,15 +239,25 @@ def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: 
     return StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
 
 
-def is_sync_step(cfg: Config, step: int, total_steps: int) -> bool:
-    """Steps whose loss and grad norm come back to the host: log, val, checkpoint and the first and last."""
-    t = cfg.train
-    return (
-        step in (1, total_steps)
-        or step % t.log_every == 0
-        or step % t.val_every == 0
-        or step % cfg.checkpoint.every_steps == 0
-    )
+@dataclass(frozen=True)
+class StepPlan:
+    """What the loop does after one optimizer step; every flag implies ``sync``."""
+
+    sync: bool  # read the loss and grad norm back to the host (the step's one device sync)
+    validate: bool
+    log: bool
+    checkpoint: bool
+
+
+def step_plan(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepPlan:
+    """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
+    first step logs, the last does everything, a stop signal checkpoints; the others only read back on
+    a sync step, so their losses stay on the device until then."""
+    t, last = cfg.train, step == total_steps
+    validate = step % t.val_every == 0 or last
+    log = step == 1 or step % t.log_every == 0 or validate
+    checkpoint = step % cfg.checkpoint.every_steps == 0 or last or stop
+    return StepPlan(sync=log or checkpoint, validate=validate, log=log, checkpoint=checkpoint)
 
 
 class UnreadSteps:
@@ -263,6 +269,10 @@ class UnreadSteps:
 
     def add(self, step: int, result: StepResult) -> None:
         self.steps.append((step, result))
+
+    def restart_clock(self) -> None:
+        """After a sync step's validation, log and checkpoint: the next steps' time is training time only."""
+        self.since = time.perf_counter()
 
     def read_back(self, recent: deque[float]) -> tuple[int, StepResult] | None:
         """Floats for every unread step (the first one that is not finite is returned); each step's time
@@ -298,20 +308,17 @@ def log_step(
     result: StepResult,
     val_loss: float | None,
     device: str,
-    progress: tuple[int, float, float] | None = None,
+    pace: Pace | None = None,
 ) -> None:
-    """Metrics to the tracker and, on rank 0, one console line.
-
-    ``progress`` = (steps since the last line, their wall seconds, seconds since this process started
-    training): the line's tok/s averages those steps (validation included) and ETA extrapolates them."""
+    """Metrics to the tracker and, on rank 0, one console line; its tok/s and ETA are ``pace``'s (the
+    training rate over the steps since the last line, console.Progress)."""
     import torch.distributed as dist
 
-    from pipeline.model import flops_per_token
-
     tok_s = cfg.train.batch_tokens / result.seconds
-    peak = peak_flops(cfg, device)
-    mfu = flops_per_token(cfg) * tok_s / (peak * dist.get_world_size()) if peak else None
-    mfu_causal = mfu_causal_attention(cfg, tok_s, peak, dist.get_world_size())
+    from pipeline.hardware import device_peak_flops
+
+    peak = device_peak_flops(cfg.train.peak_flops, device)  # the table's, or train.peak_flops
+    utilisation = mfu(cfg, tok_s, peak, dist.get_world_size())
     metrics = {
         "train/loss": result.loss,
         "train/lr": result.lr,
@@ -323,25 +330,19 @@ def log_step(
     }
     if val_loss is not None:
         metrics["val/loss"] = val_loss
-    if mfu is not None:
-        metrics["perf/mfu"] = mfu
-        metrics["perf/mfu_causal"] = mfu_causal
+    metrics.update(utilisation)
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
-        if progress is not None and progress[0] > 0 and progress[1] > 0:
-            from pipeline.console import duration
-
-            steps, seconds, elapsed = progress
-            tok_s = steps * cfg.train.batch_tokens / seconds
-            eta = (total_steps - state.step) * seconds / steps
-            timing = f" | {duration(elapsed)} elapsed, ETA {duration(eta)}"
+        if pace is not None:
+            tok_s = pace.tokens_per_sec
+            timing = f" | {duration(pace.elapsed)} elapsed, ETA {duration(pace.eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
             + (f" | val {val_loss:.4f}" if val_loss is not None else "")
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
             + timing
-            + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + (f" | mfu {100 * utilisation['perf/mfu']:.1f}%" if utilisation else "")
             + f" | mem {metrics['perf/memory_gb']:.2f} GB",
             flush=True,
         )
@@ -400,129 +401,212 @@ def check_data_before_start(cfg: Config, manifest: dict[str, Any], dp_size: int)
     return epochs
 
 
+# --- setup, the loop, the end ---------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything the loop needs, made once by ``setup``; the loop moves ``state`` and the two losses."""
+
+    cfg: Config
+    engine: Any
+    optimizer: Any
+    loader: Any
+    val_rows: np.ndarray
+    tracker: Any
+    stopper: StopSignal
+    state: TrainState
+    device: str
+    total_steps: int
+    warmup: int
+    grad_accum: int
+    train_loss: float = float("nan")  # of the last sync step
+    val_loss: float | None = None  # of the last validation
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from pipeline.distributed import topology, topology_line, write_exit_record
-    from pipeline.model import build_model
     from pipeline.model.gpt import check_spec
-    from pipeline.tracking import make_tracker
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     init_distributed(cfg.train.device)  # the resume checks share the checkpoint hashing out over the ranks
     resume = checkpoint.resume_point(cfg)
     if resume.finished:
-        return checkpoint.finished_summary(cfg, resume)
-    resume_tag = resume.tag
-    manifest = data.read_manifest(cfg.data.dataset_dir)
-    data.check_compatible(manifest, cfg)
+        return already_finished(cfg, resume)
+    run = setup(cfg, resume)
+    return finish(run, loop(run))
+
+
+def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
+    """Data, model, engine, initial weights and tracker for one start of ``cfg`` (resume: from where).
+    The dataset is checked and verified before the model is built, so a bad one costs nothing."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from pipeline.distributed import topology, topology_line
+    from pipeline.model import build_model
+    from pipeline.tracking import make_tracker
+
+    manifest = data.checked_manifest(cfg)  # the one compatibility check of this start
     device = train_device(cfg)
-
     init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)
-    rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    plan = cfg.steps(dp_size)
-    total_steps, warmup, grad_accum = plan["total"], plan["warmup"], plan["grad_accum"]
-    micro, t = cfg.train.micro_batch_size, cfg.train
-    master = rank == 0
-    epochs = check_data_before_start(cfg, manifest, dp_size)  # before the model: a bad dataset costs nothing
-
+    layout = cfg.steps(dp_size)
+    total, warmup, grad_accum = layout["total"], layout["warmup"], layout["grad_accum"]
+    epochs = check_data_before_start(cfg, manifest, dp_size)  # refuses or verifies: before the model
     loader = data.ShardLoader(
-        cfg, dp_rank=dp_rank, dp_size=dp_size, batch_size=micro, manifest=manifest, pin_memory=device == "cuda"
+        cfg,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        batch_size=cfg.train.micro_batch_size,
+        manifest=manifest,
+        pin_memory=device == "cuda",
     )
     val_rows = data.load_val_tokens(cfg, manifest)
     model = build_model(cfg)  # on the GPU already when there is one
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
 
+    # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else the
+    # model's own initialisation.
     state = TrainState(loader=loader)
-    if resume_tag:
-        checkpoint.load(engine, cfg, resume_tag, state)
-    tracker = make_tracker(cfg, rank)
+    if resume.tag:
+        saved_dp = checkpoint.load(engine, cfg, resume.tag, state)
+        if saved_dp != dp_size:
+            say(
+                f"prism train: elastic resume: {resume.tag} was saved at data-parallel size {saved_dp}, continuing "
+                f"at {dp_size} (same global batch; optimizer partitions re-split, data position mapped)"
+            )
+
+    tracker = make_tracker(cfg, dist.get_rank())
     state.run_id = tracker.start(cfg, run_id=state.run_id)
     # the data plan of this start: constants, so params (not chart metrics)
     tracker.log_params(
         {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
     )
-    stopper = StopSignal()
+    run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
     ranks = topology()  # a collective: every rank
-    if master:
-        print(f"prism train: {topology_line(ranks)}", flush=True)
-        for note in resume.notes:  # e.g. a damaged newest checkpoint and the one resumed from instead
-            print(note, flush=True)
-        what = f"resumed from {resume_tag}" if resume_tag else "fresh start"
-        print(
-            f"prism train: {cfg.run_name} | {what} | world {world} = TP {cfg.parallel.tp} x DP {dp_size} | "
-            f"ZeRO-{cfg.parallel.zero_stage} {t.precision} on {device} | {total_steps} steps, grad_accum "
-            f"{grad_accum}, warmup {warmup} | {epochs:.2f} epochs of the data",
-            flush=True,
-        )
-        ui_url = getattr(tracker, "ui_url", lambda: None)()
-        if ui_url:
-            print(f"prism train: MLflow run {ui_url}", flush=True)
+    say(f"prism train: {topology_line(ranks)}")
+    for line in resume_notes(resume):  # e.g. a damaged newest checkpoint and the one resumed from instead
+        say(line)
+    what = f"resumed from {resume.tag}" if resume.tag else "fresh start"
+    say(
+        f"prism train: {cfg.run_name} | {what} | world {dist.get_world_size()} = TP {cfg.parallel.tp} x DP "
+        f"{dp_size} | ZeRO-{cfg.parallel.zero_stage} {cfg.train.precision} on {device} | {run.total_steps} steps, "
+        f"grad_accum {run.grad_accum}, warmup {run.warmup} | {epochs:.2f} epochs of the data"
+    )
+    if ui_url := getattr(tracker, "ui_url", lambda: None)():
+        say(f"prism train: MLflow run {ui_url}")
+    return run
 
-    exit_code, train_loss, last_val = EXIT_FINISHED, float("nan"), None
-    recent: deque[float] = deque(maxlen=20)
-    stop_check = stop_agreement(stopper, device)
+
+def loop(run: Run) -> int:
+    """Optimizer steps until the token budget is done, a stop signal or a non-finite loss; the exit code."""
+    cfg, state, t = run.cfg, run.state, run.cfg.train
+    recent: deque[float] = deque(maxlen=20)  # the last losses, for a NaN step's diagnostic
+    stop_check = stop_agreement(run.stopper, run.device)
     unread = UnreadSteps()
-    started = last_line = time.perf_counter()  # console progress: wall time of the steps since the last line
-    last_line_step = state.step
-    while state.step < total_steps:
-        lr = lr_at(state.step, total_steps, warmup, t.lr, t.min_lr)
-        result = train_step(engine, optimizer, loader, lr, grad_accum, device)
+    plans = {step: step_plan(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
+    progress = Progress(
+        run.total_steps,
+        state.step,
+        t.batch_tokens,
+        validation_steps=[s for s, p in plans.items() if p.validate],
+        checkpoint_steps=[s for s, p in plans.items() if p.checkpoint],
+        validation_tokens=run.val_rows.shape[0] * cfg.model.seq_len,
+    )
+    while state.step < run.total_steps:
+        lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
+        result = train_step(run.engine, run.optimizer, run.loader, lr, run.grad_accum, run.device)
         state.step += 1
         state.tokens_seen += t.batch_tokens
-        step = state.step
-        unread.add(step, result)
+        unread.add(state.step, result)
         stop = stop_check()
-        if not stop and not is_sync_step(cfg, step, total_steps):
+        actions = step_plan(cfg, state.step, run.total_steps, stop)
+        if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
-        bad = unread.read_back(recent)  # the one host sync since the last sync step
-        if bad is not None:
-            report_nonfinite(cfg, bad[0], bad[1], recent)
-            exit_code = EXIT_NONFINITE
-            break
-        train_loss = result.loss
+        if (bad := unread.read_back(recent)) is not None:  # the one host sync since the last sync step
+            report_nonfinite(cfg, *bad, recent)
+            return EXIT_NONFINITE
+        run.train_loss = result.loss
 
         val_loss = None
-        if step % t.val_every == 0 or step == total_steps:
-            val_loss = last_val = evaluate(engine, val_rows, micro, device)
-        if step % t.log_every == 0 or step == total_steps or val_loss is not None or step == 1:
-            now = time.perf_counter()
-            progress = (state.step - last_line_step, now - last_line, now - started)
-            log_step(cfg, tracker, state, total_steps, result, val_loss, device, progress)
-            last_line, last_line_step = now, state.step
+        if actions.validate:
+            with progress.aside("validation"):
+                val_loss = run.val_loss = evaluate(run.engine, run.val_rows, t.micro_batch_size, run.device)
+        if actions.log:
+            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, progress.pace(state.step))
+        if actions.checkpoint:
+            with progress.aside("checkpoint"):
+                tag = checkpoint.save(run.engine, cfg, state)
+            say(f"prism train: checkpoint {cfg.checkpoint_dir / tag}")
+        unread.restart_clock()  # the steps' own time (perf/step_time) leaves this step's extra work out
+        if stop and state.step < run.total_steps:  # a signal at the final step: the run is done, nothing to resume
+            say(
+                f"prism train: stop signal received; checkpoint at step {state.step} written, exiting with "
+                f"{EXIT_STOPPED} (requeue to resume)"
+            )
+            return EXIT_STOPPED
+    return EXIT_FINISHED
 
-        if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop:
-            tag = checkpoint.save(engine, cfg, state)
-            if master:
-                print(f"prism train: checkpoint {cfg.checkpoint_dir / tag}", flush=True)
-        if stop and step < total_steps:  # a signal at the final step: the run is done, nothing to resume
-            if master:
-                print(
-                    f"prism train: stop signal received; checkpoint at step {step} written, exiting with "
-                    f"{EXIT_STOPPED} (requeue to resume)",
-                    flush=True,
-                )
-            exit_code = EXIT_STOPPED
-            break
+
+def finish(run: Run, exit_code: int) -> dict[str, Any]:
+    """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
+    import torch.distributed as dist
+
+    from pipeline.distributed import write_exit_record
 
     reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
-    if master:  # before restoring the signal handlers: a late stop signal must not kill us before it is written
-        write_exit_record(reason, state.step)
-    stopper.restore()
-    loader.close()
-    status = {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code]
-    tracker.finish(status)
+    if dist.get_rank() == 0:  # before restoring the signal handlers: a late stop signal must not kill us first
+        write_exit_record(reason, run.state.step)
+    run.stopper.restore()
+    run.loader.close()
+    run.tracker.finish({EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code])
     return {
-        "steps": state.step,
-        "total_steps": total_steps,
-        "tokens_seen": state.tokens_seen,
-        "train_loss": train_loss,
-        "val_loss": last_val,
-        "run_id": state.run_id,
+        "steps": run.state.step,
+        "total_steps": run.total_steps,
+        "tokens_seen": run.state.tokens_seen,
+        "train_loss": run.train_loss,
+        "val_loss": run.val_loss,
+        "run_id": run.state.run_id,
         "exit_reason": reason,
         "exit_code": exit_code,
     }
+
+
+def already_finished(cfg: Config, resume: checkpoint.Resume) -> dict[str, Any]:
+    """A run whose last step is already checkpointed: nothing is trained."""
+    total = cfg.steps(1)["total"]
+    for line in resume_notes(resume):
+        say(line)
+    say(
+        f"prism train: {cfg.run_name} already finished: {cfg.checkpoint_dir / resume.tag} is step {resume.step} "
+        f"of {total}; nothing to do (to train again, use another run.output_dir)"
+    )
+    return {
+        "steps": resume.step,
+        "total_steps": total,
+        "tokens_seen": resume.step * cfg.train.batch_tokens,
+        "train_loss": float("nan"),
+        "val_loss": None,
+        "run_id": None,
+        "exit_reason": "already_finished",
+        "exit_code": EXIT_FINISHED,
+    }
+
+
+def resume_notes(resume: checkpoint.Resume) -> list[str]:
+    """The console's warning when damaged checkpoints were passed over."""
+    if not resume.damaged:
+        return []
+    more = len(resume.damaged) - 1
+    return [
+        f"prism train: warning: {resume.damaged[0]}; resuming from {resume.tag}, the newest intact checkpoint"
+        + (f" ({more} more damaged)" if more else "")
+    ]
+
+
+def say(text: str) -> None:
+    """One console line, from global rank 0 only."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(text, flush=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from pipeline import schedule
+from pipeline import model_size, schedule
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,13 +110,13 @@ def _show(args: argparse.Namespace) -> int:
     heads = cfg.heads_per_layer
     twin = (m.h_base,) * m.num_layers
     print(f"{cfg.source}: {cfg.run.arm} arm, schedule {schedule.compact(heads)}")
-    print(schedule.layer_table(heads, m.d_model, m.ffn_hidden_size, m.seq_len))
+    print(schedule.layer_table(heads, m.d_model, m.ffn_hidden_size, m.seq_len, gated=m.activation == "swiglu"))
     totals = {}
     for name, hs in (("schedule", heads), ("uniform twin", twin)):
-        params = sum(schedule.layer_params(m.d_model, m.ffn_hidden_size, h, bias=m.bias) for h in hs)
-        flops = schedule.training_flops_per_token(hs, m.d_model, m.ffn_hidden_size, m.seq_len, m.vocab_size)
+        # the model's own figures (padded vocab, its activation and norms): what `prism plan` and the MFU use
+        params, flops = model_size.parameter_count(cfg, hs), model_size.flops_per_token(cfg, hs)
         totals[name] = (params, flops)
-        print(f"{name:>13}: {schedule.compact(hs):<22} block params {params:>14,}  training FLOPs/token {flops:>16,}")
+        print(f"{name:>13}: {schedule.compact(hs):<22} parameters {params:>14,}  training FLOPs/token {flops:>16,}")
     (p1, f1), (p2, f2) = totals.values()
     print(
         f"neutrality: parameters {'PASS' if p1 == p2 else 'FAIL'} ({p1 - p2:+,}), "

@@ -1,4 +1,4 @@
-"""Config -> megatron-core GPTModel with per-layer head counts; loss, logits and the FLOP counter.
+"""Config -> megatron-core GPTModel with per-layer head counts; loss and logits (sizes: pipeline.model_size).
 
 The whole Prism change is `PrismTransformerConfig.get_config_for_layer`: megatron's TransformerBlock asks it
 for every layer's config when `heterogeneous_block_specs` is set, and layer l gets h_l heads of
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pipeline import schedule
+from pipeline import model_size, schedule
 from pipeline.config import Config, ConfigError
 from pipeline.distributed import tp_all_gather, train_device
 from pipeline.model.fusions import compile_model, megatron_fusion_flags
@@ -62,29 +62,9 @@ def replication_overhead(cfg: Config) -> int:
     extra = 0
     for layer in cfg.layer_plan:
         if layer.replicated:
-            f = schedule.layer_flops(m.d_model, m.ffn_hidden_size, layer.heads, m.seq_len)
+            f = model_size.layer_flops(m.d_model, m.ffn_hidden_size, layer.heads, m.seq_len)
             extra += 3 * (f["projections"] + f["attention"]) * (tp - 1) // tp
     return extra
-
-
-def padded_vocab_size(cfg: Config) -> int:
-    """Vocab rounded up to a multiple of 128 * TP (even TP shards, tensor-core friendly)."""
-    multiple = 128 * cfg.parallel.tp
-    return -(-cfg.model.vocab_size // multiple) * multiple
-
-
-def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token (forward + backward), counted per layer with the layer's own h_l * d_h,
-    plus the logits over the padded vocab. The trainer's MFU uses exactly this."""
-    m = cfg.model
-    return schedule.training_flops_per_token(
-        cfg.heads_per_layer,
-        m.d_model,
-        m.ffn_hidden_size,
-        m.seq_len,
-        padded_vocab_size(cfg),
-        gated=m.activation == "swiglu",
-    )
 
 
 def use_cuda(cfg: Config) -> bool:
@@ -195,7 +175,7 @@ def build_model(cfg: Config, *, meta: bool = False):
     compat.apply_cpu_shims()
     if replicated_layers(cfg):
         compat.single_rank_groups()  # collective: every rank creates every 1-rank group, in order
-        share = replication_overhead(cfg) / (flops_per_token(cfg) / cfg.parallel.tp)
+        share = replication_overhead(cfg) / (model_size.flops_per_token(cfg) / cfg.parallel.tp)
         log.warning(
             "model: layers %s have head counts not divisible by TP=%d and run their attention replicated "
             "on every TP rank: +%s training FLOPs per token per rank (+%.1f%% of a rank's share); "
@@ -211,7 +191,7 @@ def build_model(cfg: Config, *, meta: bool = False):
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(cfg, allow_te=not meta),  # TE modules cannot live on meta
-            vocab_size=padded_vocab_size(cfg),
+            vocab_size=model_size.padded_vocab(cfg),
             max_sequence_length=cfg.model.seq_len,
             share_embeddings_and_output_weights=cfg.model.tie_embeddings,
             position_embedding_type="none",  # RoPE is applied per layer (PrismSelfAttention)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import distributed, schedule
+from pipeline import distributed, model_size, schedule
 from pipeline.config import Config, apply_overrides, from_dict
-from pipeline.model.gpt import build_model, flops_per_token, padded_vocab_size
+from pipeline.model.gpt import build_model
 
 
 def uniform_twin(cfg: Config) -> Config:
@@ -40,12 +40,12 @@ def count(cfg: Config) -> ModelCount:
     m = cfg.model
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
     layer_flops = [
-        sum(schedule.layer_flops(m.d_model, m.ffn_hidden_size, h, m.seq_len, gated=m.activation == "swiglu").values())
+        sum(model_size.layer_flops(m.d_model, m.ffn_hidden_size, h, m.seq_len, gated=m.activation == "swiglu").values())
         for h in cfg.heads_per_layer
     ]
     total = sum(p.numel() for p in model.parameters())
     emb = model.embedding.word_embeddings.weight.numel()
-    assert padded_vocab_size(cfg) * m.d_model == emb
+    assert model_size.padded_vocab(cfg) * m.d_model == emb
     return ModelCount(
         tuple(cfg.heads_per_layer),
         layer_params,
@@ -53,7 +53,7 @@ def count(cfg: Config) -> ModelCount:
         emb,
         total - emb - sum(layer_params),
         total,
-        flops_per_token(cfg),
+        model_size.flops_per_token(cfg),
     )
 
 

@@ -200,6 +200,59 @@ def test_resume_refused_after_model_change(reference, tiny_data):
         train(cfg)
 
 
+@pytest.fixture(scope="module")
+def watched_run(tiny_data, tmp_path_factory):
+    """One in-process 7-step run (log every 2, validate every 3, checkpoint every 4) with spies on what the
+    loop does at each step and on every tokenizer hash."""
+    from pipeline import data, train
+
+    seen = {"hashed": [], "sync": [], "validate": [], "log": [], "checkpoint": []}
+    real = {"hash": data.sha256_file, "read_back": train.UnreadSteps.read_back}
+    real |= {"evaluate": train.evaluate, "log_step": train.log_step, "save": checkpoint.save}
+
+    def read_back(self, recent):
+        seen["sync"].append(self.steps[-1][0])
+        return real["read_back"](self, recent)
+
+    def log_step(cfg, tracker, state, *args, **kwargs):
+        seen["log"].append(state.step)
+        return real["log_step"](cfg, tracker, state, *args, **kwargs)
+
+    def save(engine, cfg, state):
+        seen["checkpoint"].append(state.step)
+        return real["save"](engine, cfg, state)
+
+    ov = overrides(tiny_data, tmp_path_factory.mktemp("watched"), "train.train_tokens=7168", "train.log_every=2")
+    cfg = config.load(PRESET, [*ov, "train.val_every=3", "checkpoint.every_steps=4"])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(data, "sha256_file", lambda path: seen["hashed"].append(path) or real["hash"](path))
+        m.setattr(train.UnreadSteps, "read_back", read_back)
+        m.setattr(train, "evaluate", lambda *a: seen["validate"].append(seen["sync"][-1]) or real["evaluate"](*a))
+        m.setattr(train, "log_step", log_step)
+        m.setattr(checkpoint, "save", save)
+        summary = train.train(cfg)
+    assert summary["exit_code"] == 0 and summary["steps"] == 7
+    return cfg, seen
+
+
+@pytest.mark.megatron_compat
+def test_a_start_checks_the_dataset_once(watched_run):
+    """One compatibility check per start (it hashes the tokenizer), not one per reader of the dataset."""
+    cfg, seen = watched_run
+    assert seen["hashed"] == [Path(cfg.data.tokenizer)]
+
+
+@pytest.mark.megatron_compat
+def test_the_loop_does_what_the_step_plan_says(watched_run):
+    from pipeline.train import step_plan
+
+    cfg, seen = watched_run
+    plans = {step: step_plan(cfg, step, 7) for step in range(1, 8)}
+    for action in ("sync", "validate", "log", "checkpoint"):
+        assert seen[action] == [s for s, p in plans.items() if getattr(p, action)], action
+    assert seen["sync"] == [1, 2, 3, 4, 6, 7]  # step 5 is none of them: its loss is read back at step 6
+
+
 def test_signal_checkpoints_at_step_boundary_and_exits_3(reference, tiny_data, tmp_path):
     _, ref, _ = reference
     ov = overrides(tiny_data, tmp_path, "checkpoint.every_steps=100")

@@ -62,7 +62,7 @@ def test_resume_point_falls_back_past_damage_and_respects_a_rolled_back_pointer(
     (six / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     resume = checkpoint.resume_point(cfg)
     assert resume.tag == "step-0000003" and not resume.finished
-    assert "step-0000006: zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in resume.notes[0]
+    assert "step-0000006: zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in resume.damaged[0]
     make_tag(cfg, 9)
     (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a user rolled back: newer tags are ignored
     assert checkpoint.resume_point(cfg).tag == "step-0000003"
@@ -87,3 +87,40 @@ def test_finished_and_plan_changes(tmp_path):
     assert checkpoint.resume_point(accepted).tag == "step-0000006"
     with pytest.raises(ConfigError, match="'model.d_model' cannot change on resume"):
         cfg_in(tmp_path, "checkpoint.allow_changes=[model.d_model]")
+
+
+def test_every_reader_of_latest_goes_through_read_latest(tmp_path, monkeypatch):
+    """`latest` has one reader: point it elsewhere and the trainer's resume and the readers all follow."""
+    cfg = cfg_in(tmp_path, "train.train_tokens=12288")  # 12 steps: neither tag is the last
+    make_tag(cfg, 3)
+    make_tag(cfg, 6)  # the file says step-0000006
+    monkeypatch.setattr(checkpoint, "read_latest", lambda checkpoint_dir: "step-0000003")
+    assert checkpoint.latest_tag(cfg.checkpoint_dir) == "step-0000003"
+    assert checkpoint.resolve_tag_dir(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step-0000003"
+    assert checkpoint.resume_point(cfg).tag == "step-0000003"  # a rolled-back pointer is respected
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision", "elastic"),
+    [
+        (0, "fp32", False),
+        (1, "fp32", True),
+        (1, "bf16", True),
+        (2, "fp32", True),
+        (2, "bf16", True),
+        (3, "bf16", False),
+    ],
+)
+def test_resume_policy_decides_a_data_parallel_change(tmp_path, stage, precision, elastic):
+    """Whether a DP change may resume is the policy's answer alone, before any weights load."""
+    cfg = cfg_in(tmp_path, f"parallel.zero_stage={stage}", f"train.precision={precision}")
+    tag = make_tag(cfg, 3)
+    checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=2)  # the same size: always
+    checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=None)  # nothing trains here (finished)
+    if elastic:
+        checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
+    else:
+        with pytest.raises(ConfigError, match=r"saved at data-parallel size 2, this run has 1; .* resume with 2"):
+            checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
+    with pytest.raises(ConfigError, match=r"model\.d_model changed"):  # and the model, whatever the layout
+        checkpoint.check_resume_policy(cfg_in(tmp_path, "model.d_model=96"), tag, saved_dp=2, dp=2)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from pipeline import config, distributed, schedule
+from pipeline import config, distributed, model_size
 from pipeline.config import ConfigError
 
 pytestmark = pytest.mark.megatron_compat
@@ -158,9 +158,9 @@ PAPER = {"124m": 124e6, "354m": 354e6, "757m": 757e6}
 
 @pytest.mark.parametrize("scale", ["tiny", "124m", "354m", "757m"])
 def test_both_arms_build_the_parameters_the_schedule_arithmetic_predicts(scale):
-    """Each arm's built modules (meta device) against schedule.layer_params for that layer's own h_l:
+    """Each arm's built modules (meta device) against model_size.layer_params for that layer's own h_l:
     a layer built with the wrong head count or head dim has a QKV that is not d x 3d and fails here."""
-    from pipeline.model import build_model, padded_vocab_size
+    from pipeline.model import build_model
 
     arms = ("tiny_prism", "tiny_uniform") if scale == "tiny" else (f"prism_{scale}", f"uniform_{scale}")
     prism, uniform = (config.load(f"configs/{name}.yaml") for name in arms)
@@ -177,13 +177,15 @@ def test_both_arms_build_the_parameters_the_schedule_arithmetic_predicts(scale):
                 plan.head_dim,
             )
             assert attn.linear_qkv.weight.shape == (3 * m.d_model, m.d_model)
-            norm_biases = 2 * m.d_model  # LayerNorm biases; schedule.layer_params counts weights only
-            assert sum(p.numel() for p in layer.parameters()) == norm_biases + schedule.layer_params(
+            norm_biases = 2 * m.d_model  # LayerNorm biases; model_size.layer_params counts weights only
+            assert sum(p.numel() for p in layer.parameters()) == norm_biases + model_size.layer_params(
                 m.d_model, m.ffn_hidden_size, plan.heads
             )
         total = sum(p.numel() for p in model.parameters())
-        per_layer = schedule.layer_params(m.d_model, m.ffn_hidden_size, m.h_base) + 2 * m.d_model
-        assert total == padded_vocab_size(cfg) * m.d_model + m.num_layers * per_layer + 2 * m.d_model  # + final norm
+        per_layer = model_size.layer_params(m.d_model, m.ffn_hidden_size, m.h_base) + 2 * m.d_model
+        assert (
+            total == model_size.padded_vocab(cfg) * m.d_model + m.num_layers * per_layer + 2 * m.d_model
+        )  # + final norm
         totals.append(total)
     assert totals[0] == totals[1]
     if scale in PAPER:
@@ -191,18 +193,18 @@ def test_both_arms_build_the_parameters_the_schedule_arithmetic_predicts(scale):
 
 
 def test_flops_per_token_counts_every_layer_and_the_padded_vocab():
-    from pipeline.model import flops_per_token, padded_vocab_size
     from pipeline.model.report import uniform_twin
+    from pipeline.model_size import flops_per_token, padded_vocab
 
     for path in (TINY, "configs/prism_124m.yaml", "configs/prism_757m.yaml"):
         cfg = config.load(path)
-        m, v = cfg.model, padded_vocab_size(cfg)
+        m, v = cfg.model, padded_vocab(cfg)
         # Written out by hand: per layer 4 d^2 projections, 2 * s * (h_l * d_h = d) attention, 3 d ffn MLP.
         per_layer = 2 * 4 * m.d_model**2 + 2 * 2 * m.d_model * m.seq_len + 2 * 3 * m.d_model * m.ffn_hidden_size
         assert flops_per_token(cfg) == 3 * (m.num_layers * per_layer + 2 * m.d_model * v)
         assert flops_per_token(cfg) == flops_per_token(uniform_twin(cfg))
-    assert padded_vocab_size(config.load("configs/prism_124m.yaml")) == 50304
-    assert padded_vocab_size(config.load("configs/prism_354m.yaml", ["parallel.tp=2"])) == 50432
+    assert padded_vocab(config.load("configs/prism_124m.yaml")) == 50304
+    assert padded_vocab(config.load("configs/prism_354m.yaml", ["parallel.tp=2"])) == 50432
 
 
 # --- refusals ---------------------------------------------------------------------------------------------

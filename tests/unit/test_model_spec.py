@@ -93,30 +93,27 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     (tmp_path / "step-0000002" / "config.yaml").write_text(cfg.dump())
     (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")  # a checkpoint without a record
     (tmp_path / "latest").write_text("step-0000002")
-    assert checkpoint.check_resume(cfg) == "step-0000002"
+    assert checkpoint.resume_point(cfg).tag == "step-0000002"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
     with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
-        checkpoint.check_resume(other)
+        checkpoint.resume_point(other)
     assert yaml.safe_load(cfg.dump())["model"]["spec"] == "local"  # the checkpoint's config records it
 
 
-def test_checkpoint_records_the_spec_and_load_refuses_another(tmp_path):
+def test_checkpoint_records_the_spec_and_resume_refuses_another(tmp_path):
+    """The spec is part of the weights' layout (TE fuses norms, adds _extra_state): the resume policy refuses
+    another one from the saved config, before any weights load."""
     from pipeline import checkpoint
 
-    class Engine:  # what checkpoint.save / load touch of a DeepSpeed engine
+    class Engine:  # what checkpoint.save touches of a DeepSpeed engine
         def save_checkpoint(self, save_dir, tag, client_state, save_latest):
             self.client_state = client_state
 
-        def load_checkpoint(self, load_dir, tag, load_lr_scheduler_states, load_optimizer_states):
-            return load_dir, self.client_state
-
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
-    distributed.init_model_parallel(1, cfg.run.seed)  # load asks megatron for the data-parallel layout
+    distributed.init_model_parallel(1, cfg.run.seed)  # save asks megatron for the data-parallel layout
     engine = Engine()
     checkpoint.save(engine, cfg, checkpoint.TrainState(step=2))
     assert engine.client_state["prism"]["spec"] == "local"
-    engine.client_state["prism"]["spec"] = "transformer_engine"  # as a TE run would have written it
-    with pytest.raises(
-        ConfigError, match="built with model.spec=transformer_engine, this run asks for model.spec=local"
-    ):
-        checkpoint.load(engine, cfg, "step-0000002", checkpoint.TrainState())
+    other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
+    with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
+        checkpoint.resume_point(other)

@@ -48,7 +48,10 @@ def test_no_entry_is_found_by_a_substring_of_another_device():
 def test_peak_flops_override_cpu_and_unknown_gpu(monkeypatch, caplog):
     import torch
 
-    from pipeline.train import peak_flops
+    from pipeline.hardware import device_peak_flops
+
+    def peak_flops(cfg, device):  # what the trainer's MFU asks for
+        return device_peak_flops(cfg.train.peak_flops, device)
 
     cfg = config.load("configs/tiny_prism.yaml")
     assert peak_flops(cfg, "cpu") is None
@@ -65,11 +68,11 @@ def test_peak_flops_override_cpu_and_unknown_gpu(monkeypatch, caplog):
 
 
 def test_causal_convention_halves_attention_only():
-    from pipeline import schedule
+    from pipeline import model_size
 
     # hand count, one layer, d=256, 4 heads, seq 128, ffn 688 (SwiGLU), vocab 1024, forward x3 for training
     d, ffn, seq, vocab = 256, 688, 128, 1024
     proj, attn, mlp, logits = 8 * d * d, 4 * d * seq, 6 * d * ffn, 2 * d * vocab
-    full = schedule.training_flops_per_token([4], d, ffn, seq, vocab)
+    full = model_size.training_flops_per_token([4], d, ffn, seq, vocab)
     assert full == 3 * (proj + attn + mlp + logits)
     assert causal_attention_discount(full, (4,), d, seq) == 3 * (proj + attn // 2 + mlp + logits)

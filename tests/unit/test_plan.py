@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config, plan
+from pipeline import config, model_size, plan
 from pipeline.config import ConfigError
 from pipeline.dataset import DataError
 
@@ -64,7 +64,7 @@ def test_memory_per_gpu_by_zero_stage_by_hand(stage, precision, expected):
 def test_tensor_parallel_divides_weights_and_megatron_attention_stores_scores():
     cfg = config.load(P757, ["parallel.tp=2", "model.attention_backend=megatron"])
     mem = plan.memory_per_gpu(cfg, dp_size=4)
-    n_tp2 = plan.parameter_count(cfg)  # vocab padded to 128 x 2 = 256: 50,432
+    n_tp2 = model_size.parameter_count(cfg)  # vocab padded to 128 x 2 = 256: 50,432
     assert n_tp2 == 24 * (4 * 1536**2 + 3 * 1536 * 4096 + 4 * 1536) + 50_432 * 1536 + 2 * 1536
     assert mem["parameters"] == pytest.approx(n_tp2 / 2 * 2)
     heads = (6,) * 3 + (12,) * 3 + (16,) * 18
@@ -154,7 +154,7 @@ def test_prism_plan_cli_prints_the_plan_without_heavy_imports():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "TP 1 x DP 8" in out.stdout and "grad_accum 8" in out.stdout and "39,997 optimizer steps" in out.stdout
-    assert "memory/GPU" in out.stdout and "wall time    9h" in out.stdout
+    assert "memory/GPU" in out.stdout and "wall time    9 h" in out.stdout
     lines = out.stdout.strip().splitlines()
     assert lines[-1] == "[]"  # arithmetic only: no heavy import, so it answers in well under a second
     bad = subprocess.run(
