@@ -8,6 +8,8 @@ CPU equivalents, and only then: with CUDA present nothing here patches anything.
   3. the default causal mask in fused_softmax is built on "cuda" -> built on the CPU;
   4. `RotaryEmbedding.get_emb` moves `inv_freq` to CUDA -> not used: pipeline.model builds its own
      rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
+And one quirk of torch's CPU build itself, applied with them: oneMKL picks each VML kernel on its first call,
+and first calls racing on several threads can compute with a low-accuracy kernel (resolve_mkl_vml_kernels).
 
 Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
 
@@ -50,7 +52,31 @@ def apply_cpu_shims() -> None:
 
     # fused_softmax imported the function by name, so patch that module's binding (shim 3).
     fused_softmax.get_default_causal_mask = causal_mask_cpu
+    resolve_mkl_vml_kernels()
     _CPU_SHIMS_APPLIED = True
+
+
+# Float functions torch's CPU kernels hand to MKL's VML (aten/src/ATen/cpu/vml.h); a few more are harmless.
+VML_FUNCTIONS = (
+    "acos", "asin", "atan", "cos", "sin", "tan", "tanh", "erf", "erfc", "erfinv", "exp", "expm1", "log", "log10",
+    "log1p", "log2", "sqrt", "rsqrt", "sigmoid", "trunc",
+)  # fmt: skip
+
+
+def resolve_mkl_vml_kernels() -> None:
+    """Call each VML function once on one element, so oneMKL picks its kernels before any op runs them on
+    several threads at once.
+
+    oneMKL 2024.2 (torch 2.13's CPU wheel links Build 20240605) picks a VML function's kernel on its first call,
+    and first calls racing on several threads can run one thread's chunk with its low-accuracy kernel although
+    torch asks for high accuracy (pytorch/pytorch#188792). The likely cause of tests/unit/test_model.py's
+    attention check failing about one fresh process in ten: only the query, whose RoPE is a process's first
+    cos/sin, differed (by ~4e-4, as that kernel's cos error of 1.5e-4 times the query would). One element runs
+    on one thread; both precisions, as VML picks per precision."""
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in VML_FUNCTIONS:
+            getattr(torch, name)(one)
 
 
 def _install_cpu_memory_buffer() -> None:
