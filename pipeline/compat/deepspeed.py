@@ -16,7 +16,7 @@ Whether a resume may change the DP size is not decided here: checkpoint's resume
 module only does the merge, of the files checkpoint names (zero_optimizer_files: DeepSpeed's file names are
 checkpoint's knowledge, handed in, so compat imports nothing above it).
 
-About 490 lines, over the usual 400, on purpose: everything that copies one DeepSpeed release's private code
+About 480 lines, over the usual 400, on purpose: everything that copies one DeepSpeed release's private code
 sits behind the one version check here, so an upgrade is re-checked in one file.
 """
 
