@@ -3,7 +3,9 @@
 # processes, MLflow server, Slurm, DeepSpeed across processes). `all` (the default) runs both, unit first, and
 # stops at the first failing suite. `compat` runs the tests marked megatron_compat (model, TP, train, exact
 # resume) from both suites: the second CI leg (Python 3.12, megatron-core 0.19), after printing the versions
-# and checking megatron-core starts with $EXPECT_MEGATRON when that is set. Extra arguments go to pytest.
+# and checking megatron-core starts with $EXPECT_MEGATRON when that is set. What differs between megatron-core
+# 0.16 and 0.19 is handled in pipeline/compat/megatron.py only; DeepSpeed is the same pinned release in both
+# legs (pipeline/compat/deepspeed.py copies its private code). Extra arguments go to pytest.
 # pytest's exit 5 (no tests collected) is a failure: an empty suite is not green.
 set -uo pipefail
 VENV=${VENV:-.venv}
@@ -23,10 +25,15 @@ if [ "$suite" = compat ]; then
   "$VENV/bin/python" - "${EXPECT_MEGATRON:-}" <<'PY' || exit 1
 import sys
 
+from importlib.metadata import version
+
 import megatron.core
 import torch
 
-print(f"== compat leg: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+print(
+    f"== compat leg: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core "
+    f"{megatron.core.__version__}, deepspeed {version('deepspeed')}"
+)
 want = sys.argv[1]
 if want and not megatron.core.__version__.startswith(want + "."):
     sys.exit(f"run_tests: this leg must test megatron-core {want}.x, found {megatron.core.__version__}")

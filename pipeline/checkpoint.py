@@ -37,6 +37,16 @@ INTEGRITY = "integrity.json"  # {"files": {name: {"size", "sha256"}}, "step", "t
 MODEL_STATES = "mp_rank_00_model_states.pt"  # TP rank 0's weights; TP=N writes mp_rank_00 .. mp_rank_N-1
 
 
+def zero_optimizer_file(tp_rank: int, dp_rank: int, bf16: bool) -> str:
+    """DeepSpeed's file for the ZeRO optimizer state of one (DP rank, TP rank); bf16 runs prefix ``bf16_``."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+
+
+def zero_optimizer_files(tag_dir: Path, tp_rank: int, dp_size: int, bf16: bool) -> list[Path]:
+    """One TP rank's optimizer files of a save at ``dp_size``, in DP-rank order (compat's elastic merge reads them)."""
+    return [Path(tag_dir) / zero_optimizer_file(tp_rank, r, bf16) for r in range(dp_size)]
+
+
 def tag_for(step: int) -> str:
     return f"step-{step:07d}"
 
@@ -485,7 +495,10 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
             f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
         )
     if elastic:
-        compat.load_zero_partitions_at_new_dp(engine, str(cfg.checkpoint_dir), tag)
+        tp_rank, bf16 = parallel_state.get_tensor_model_parallel_rank(), cfg.train.precision == "bf16"
+        compat.load_zero_partitions_at_new_dp(
+            engine, zero_optimizer_files(cfg.checkpoint_dir / tag, tp_rank, saved_dp, bf16)
+        )
     ranks = client["prism"]["ranks"]
     saved_dp = saved_dp or len(ranks) // tp
     if not elastic and len(ranks) != dist.get_world_size():

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
+from pipeline.model.replication import mark_replicated, replicated_attention_groups
+
 
 @functools.lru_cache(maxsize=64)
 def rope_table(head_dim: int, seq_len: int, base: float, device: torch.device) -> torch.Tensor:
@@ -36,8 +38,8 @@ class PrismSelfAttention(SelfAttention):
     """megatron SelfAttention that applies RoPE with a table for its own head dim (kv_channels).
 
     A layer the plan marks replicated (``config.layer_plan``; only with parallel.replicate_indivisible_layers)
-    gets a 1-rank "TP group": its QKV/O weights and attention are whole on every TP rank, no collectives run,
-    and the identical replicas see identical inputs and gradients."""
+    gets a 1-rank "TP group" (pipeline.model.replication): its QKV/O weights and attention are whole on every
+    TP rank, no collectives run, and the identical replicas see identical inputs and gradients."""
 
     def __init__(
         self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None, pg_collection=None, **extra
@@ -48,7 +50,7 @@ class PrismSelfAttention(SelfAttention):
 
         self.plan = config.layer_plan[layer_number - 1]  # this layer's heads, head dim, replication
         if self.plan.replicated:
-            pg_collection = compat.replicated_attention_groups(pg_collection)
+            pg_collection = replicated_attention_groups(pg_collection)
         super().__init__(
             config,
             submodules,
@@ -59,7 +61,7 @@ class PrismSelfAttention(SelfAttention):
             **compat.self_attention_extra_kwargs(extra),  # e.g. 0.19's name=
         )
         if self.plan.replicated:
-            compat.mark_replicated(self.parameters())
+            mark_replicated(self.parameters())
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         seq_len = hidden_states.shape[0]  # [s, b, d]; no sequence parallelism

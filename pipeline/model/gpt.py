@@ -21,6 +21,7 @@ from pipeline import model_size, schedule
 from pipeline.config import Config, ConfigError
 from pipeline.distributed import tp_all_gather, train_device
 from pipeline.model.fusions import compile_model, megatron_fusion_flags
+from pipeline.model.replication import single_rank_groups
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def build_model(cfg: Config, *, meta: bool = False):
     check_tp_groups(cfg)
     compat.apply_cpu_shims()
     if replicated_layers(cfg):
-        compat.single_rank_groups()  # collective: every rank creates every 1-rank group, in order
+        single_rank_groups()  # collective: every rank creates every 1-rank group, in order
         share = replication_overhead(cfg) / (model_size.flops_per_token(cfg) / cfg.parallel.tp)
         log.warning(
             "model: layers %s have head counts not divisible by TP=%d and run their attention replicated "

@@ -126,14 +126,19 @@ def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
 @pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("zero_stage", [1, 2])
 @pytest.mark.parametrize("grad_clip", [1e-3, 1e6])  # clipping engaged (norm >> 1e-3) and not (norm << 1e6)
-def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, zero_stage, grad_clip):
+def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, caplog, zero_stage, grad_clip):
     from pipeline import compat
     from pipeline.train import train_step
 
     overrides = [f"parallel.zero_stage={zero_stage}", f"train.grad_clip={grad_clip}"]
-    with monkeypatch.context() as m:
-        m.setattr(compat, "remove_host_syncs", lambda optimizer: None)  # DeepSpeed's own step
+    deepspeed = compat.import_deepspeed()
+    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="pipeline.compat.deepspeed"):
+        # another DeepSpeed release than the copy mirrors: its own step runs, with one warning line
+        m.setattr(deepspeed, "__version__", "0.19.9")
+        m.setattr(compat.deepspeed, "_WARNED_FALLBACK", False)
         cfg, engine, optimizer = build_tiny_engine(overrides)
+    fallback = [r.getMessage() for r in caplog.records if r.name == "pipeline.compat.deepspeed"]
+    assert len(fallback) == 1 and fallback[0].startswith("prism: warning: DeepSpeed 0.19.9 is installed"), fallback
     model_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in engine.module.state_dict().items()}
     sync_free = build_tiny_engine(overrides, model_state)[1:]
     assert "step" not in vars(engine.optimizer) and "unscale_and_clip_grads" not in vars(engine.optimizer)
@@ -183,9 +188,9 @@ def test_sync_free_steps_refuse_a_deepspeed_without_what_they_mirror():
     from pipeline import compat
 
     changed = SimpleNamespace(clip_grad=1.0)  # e.g. an upgrade renamed the rest
-    with pytest.raises(RuntimeError, match=r"pipeline/compat.py sync_free_bf16_step: .*re-mirror"):
+    with pytest.raises(RuntimeError, match=r"pipeline/compat/deepspeed.py sync_free_bf16_step: .*re-mirror"):
         compat.sync_free_bf16_step(changed)
-    with pytest.raises(RuntimeError, match=r"pipeline/compat.py zero_clip_without_host_reads: .*re-mirror"):
+    with pytest.raises(RuntimeError, match=r"pipeline/compat/deepspeed.py zero_clip_without_host_reads: .*re-mirror"):
         compat.zero_clip_without_host_reads(changed)
     assert "step" not in vars(changed)
 

@@ -1,17 +1,24 @@
-"""pipeline.compat's version differences between megatron-core 0.16.x and 0.19.x. That the model builds
-under each (0.19's TransformerLayer passes name=) is shown by test_model.py, which both CI legs run."""
+"""pipeline.compat: megatron-core 0.16.x / 0.19.x differences, and the copied DeepSpeed code behind its exact
+version check. That the model builds under each megatron (0.19's TransformerLayer passes name=) is shown by
+test_model.py, which both CI legs run; that the copied step equals DeepSpeed's own by
+tests/integration/test_host_sync.py, the partition merge by tests/integration/test_elastic_resume.py."""
 
 from __future__ import annotations
+
+import logging
+import types
+from pathlib import Path
 
 import pytest
 
 from pipeline import compat
+from pipeline.config import ConfigError
 
 pytestmark = pytest.mark.megatron_compat
 
 
 def test_an_unknown_argument_from_a_newer_megatron_is_an_error_naming_compat():
-    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['layer_spec_hint'\].*pipeline/compat.py"):
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['layer_spec_hint'\].*pipeline/compat/megatron.py"):
         compat.self_attention_extra_kwargs({"name": "decoder.layers.0.self_attention", "layer_spec_hint": 1})
 
 
@@ -28,16 +35,96 @@ def test_flat_partitions_saved_at_one_dp_size_resplit_at_another_with_fresh_padd
         assert torch.equal(whole[:numel], group) and not whole[numel:].any(), dp
 
 
-def test_elastic_resume_with_an_optimizer_it_cannot_resplit_is_one_line_naming_the_fix():
-    import types
+# --- the copied DeepSpeed code runs on the release it mirrors only ---------------------------------------
+@pytest.fixture
+def deepspeed_release(monkeypatch):
+    """Sets the installed DeepSpeed's version string; the one-warning flag starts unset."""
+    deepspeed = compat.import_deepspeed()
+    monkeypatch.setattr(compat.deepspeed, "_WARNED_FALLBACK", False)
+    return lambda version: monkeypatch.setattr(deepspeed, "__version__", version)
 
+
+def bare(cls):
+    """An instance of a DeepSpeed optimizer wrapper with none of its attributes (never initialised)."""
+    return object.__new__(cls)
+
+
+def test_the_pin_is_the_mirrored_release():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    pins = [r for r in project["dependencies"] if re.match(r"deepspeed\b", r)]
+    assert pins == [f"deepspeed=={compat.DEEPSPEED_MIRRORED}"]
+
+
+@pytest.mark.parametrize("label", ["", "+a1b2c3d"])  # a source build of the release counts as the release
+def test_on_the_mirrored_release_the_copied_step_is_installed(deepspeed_release, label):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    deepspeed_release(compat.DEEPSPEED_MIRRORED + label)
+    # it tries to install the copy, and the bare wrapper lacks what the copy reads
+    with pytest.raises(RuntimeError, match=r"compat/deepspeed.py sync_free_bf16_step: .* lacks"):
+        compat.remove_host_syncs(bare(BF16_Optimizer))
+    assert compat.elastic_merge_problem() is None
+
+
+def test_on_another_release_deepspeeds_own_step_runs_with_one_warning(deepspeed_release, caplog):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    deepspeed_release("0.19.9")
+    wrappers = [bare(BF16_Optimizer), bare(DeepSpeedZeroOptimizer), bare(BF16_Optimizer)]
+    with caplog.at_level(logging.WARNING, logger="pipeline.compat.deepspeed"):
+        for optimizer in wrappers:
+            compat.remove_host_syncs(optimizer)
+    assert all(vars(optimizer) == {} for optimizer in wrappers)  # nothing replaced: DeepSpeed's step and clip
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "DeepSpeed 0.19.9 is installed" in lines[0] and f"deepspeed=={compat.DEEPSPEED_MIRRORED}" in lines[0]
+
+
+def saved_files(dp_size: int) -> list:
+    from pipeline.checkpoint import zero_optimizer_files
+
+    return zero_optimizer_files(Path("/ckpt/step-0000003"), tp_rank=0, dp_size=dp_size, bf16=False)
+
+
+def test_on_another_release_the_partition_merge_refuses_in_one_line(deepspeed_release):
+    deepspeed_release("0.20.0")
+    engine = types.SimpleNamespace(optimizer=None, loaded_checkpoint_dp_world_size=2, dp_world_size=4)
+    with pytest.raises(ConfigError) as refused:
+        compat.load_zero_partitions_at_new_dp(engine, saved_files(2))
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith("/ckpt/step-0000003: saved at data-parallel size 2, this run has 4")
+    assert "DeepSpeed 0.20.0 is installed" in line
+    assert line.endswith(f"resume with data-parallel size 2, or pip install deepspeed=={compat.DEEPSPEED_MIRRORED}")
+
+
+# --- whether a DP change may resume is checkpoint's decision, not compat's ---------------------------------
+def test_a_dp_change_without_zero_partitions_is_refused_by_the_resume_policy(tmp_path):
+    from pipeline import checkpoint, config
+
+    cfg = config.load(
+        "configs/tiny_prism.yaml", [f"run.output_dir={tmp_path}", "parallel.zero_stage=0", "model.seq_len=64"]
+    )
+    tag = cfg.checkpoint_dir / checkpoint.tag_for(3)
+    tag.mkdir(parents=True)
+    (tag / checkpoint.MODEL_STATES).write_bytes(b"m" * 64)
+    (tag / checkpoint.CONFIG_NAME).write_text(cfg.dump())
+    checkpoint.write_integrity(tag, {"step": 3, "tp": 1, "dp_size": 2, "world_size": 2})
+    (cfg.checkpoint_dir / checkpoint.LATEST).write_text(tag.name)
+    with pytest.raises(ConfigError, match=r"saved at data-parallel size 2, this run has 1.*zero_stage 1 and 2"):
+        checkpoint.resume_point(cfg)  # a one-process run: DP 1
+
+
+def test_compat_merges_only_what_the_resume_policy_allowed(deepspeed_release):
     import torch
 
-    from pipeline.config import ConfigError
-
-    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # e.g. no ZeRO: a plain optimizer
+    deepspeed_release(compat.DEEPSPEED_MIRRORED)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # no ZeRO: no partitions to merge
     engine = types.SimpleNamespace(optimizer=sgd, loaded_checkpoint_dp_world_size=2, dp_world_size=4)
-    with pytest.raises(
-        ConfigError, match=r"saved at data-parallel size 2, this run has 4.*optimizer \(SGD\).*data-parallel size 2$"
-    ):
-        compat.load_zero_partitions_at_new_dp(engine, "/ckpt", "step-0000003")
+    with pytest.raises(TypeError, match=r"no partition merge for SGD; the resume policy in pipeline/checkpoint.py"):
+        compat.load_zero_partitions_at_new_dp(engine, saved_files(2))

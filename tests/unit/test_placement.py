@@ -42,7 +42,7 @@ def fake_gpu_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", str(d)))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("backend", backend))
-    monkeypatch.setattr(compat, "_CPU_DEVICE_CHOSEN", False)
+    monkeypatch.setattr(compat.megatron, "_CPU_DEVICE_CHOSEN", False)  # the CPU-shim state lives there
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     return calls

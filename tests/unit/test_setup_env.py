@@ -7,11 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The deepspeed requirement as a TOML parser reads it; setup_env.sh takes it from pyproject.toml with sed.
+DEEPSPEED_REQ = next(
+    r
+    for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    if r.startswith("deepspeed")
+)
 
 FAKE_TORCH = {
     "cuda": '__version__ = "2.9.0+cu128"\nclass version:\n    cuda = "12.8"\nclass cuda:\n    is_available = staticmethod(lambda: False)\n',
@@ -56,7 +63,7 @@ def test_an_existing_torch_is_kept_and_deepspeed_built_against_it(tmp_path, torc
     pip = log.read_text().splitlines()
     assert not any(arg.startswith("torch") for line in pip for arg in line.split()), pip
     deepspeed = [line for line in pip if "deepspeed" in line]
-    assert deepspeed == ["install -q --no-build-isolation deepspeed>=0.19,<0.20"], pip
+    assert deepspeed == [f"install -q --no-build-isolation {DEEPSPEED_REQ}"], pip
     # DeepSpeed is built before the project, so the project install finds it satisfied and builds nothing
     assert pip.index(deepspeed[0]) < pip.index("install -q -e .[dev]")
 
@@ -66,7 +73,7 @@ def test_without_torch_the_cpu_wheel_goes_in_before_deepspeed(tmp_path):
     out = setup_env(venv, TORCH_CPU_VERSION="2.13.0")
     assert out.returncode == 0, out.stderr
     pip = log.read_text().splitlines()
-    assert pip.index("install -q torch==2.13.0") < pip.index("install -q --no-build-isolation deepspeed>=0.19,<0.20")
+    assert pip.index("install -q torch==2.13.0") < pip.index(f"install -q --no-build-isolation {DEEPSPEED_REQ}")
 
 
 def test_dry_run_prints_the_commands_and_creates_nothing(tmp_path):
@@ -76,4 +83,4 @@ def test_dry_run_prints_the_commands_and_creates_nothing(tmp_path):
     assert not venv.exists()
     lines = out.stdout.splitlines()
     assert f"dry-run: python3 -m venv {venv}" in lines
-    assert "dry-run: pip install --no-build-isolation deepspeed>=0.19,<0.20" in lines
+    assert f"dry-run: pip install --no-build-isolation {DEEPSPEED_REQ}" in lines

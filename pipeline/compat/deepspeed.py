@@ -1,226 +1,52 @@
-"""Every megatron-core (and, below, DeepSpeed) quirk in one place.
+"""DeepSpeed adapters, and the private DeepSpeed code Prism copies, behind an exact version check.
 
-Megatron-core assumes CUDA in a few spots (listed below). On a CPU-only torch we swap in small
-CPU equivalents, and only then: with CUDA present nothing here patches anything.
+Adapters (public API only): the ``mpu`` object deepspeed.initialize asks for (MegatronMpu), and
+import_deepspeed (CPU accelerator, JIT cache, no shm comm-op build on CPU, quiet logs).
 
-  1. `model_parallel_cuda_manual_seed` / the RNG tracker use `torch.cuda` RNG states -> a CPU tracker;
-  2. `get_global_memory_buffer()` allocates on the current CUDA device -> a CPU buffer;
-  3. the default causal mask in fused_softmax is built on "cuda" -> built on the CPU;
-  4. `RotaryEmbedding.get_emb` moves `inv_freq` to CUDA -> not used: pipeline.model builds its own
-     rotary table per head dim (one per d_h, the Prism layers differ), on the activations' device.
+Copied code: DeepSpeed's bf16 / ZeRO-1/2 optimizer step without its host reads (remove_host_syncs) and the
+merge of its optimizer partitions for a resume at another data-parallel size (load_zero_partitions_at_new_dp).
+Both mirror or call private DeepSpeed code of one release, DEEPSPEED_MIRRORED, which pyproject.toml pins
+exactly. On any other release the copy is not used: remove_host_syncs leaves DeepSpeed's own step (correct,
+with its host syncs) and says so in one warning line; the partition merge refuses in one line, because it
+relies on DeepSpeed's in-memory partition layout and private methods, not only on its file format, and a
+changed layout would resume with silently wrong optimizer state. After an upgrade: re-mirror, run
+tests/integration/test_host_sync.py and test_elastic_resume.py, then move the pin and DEEPSPEED_MIRRORED.
 
-Checkpoints read and restore the RNG tracker's states through here too (model_parallel_rng_states).
+Whether a resume may change the DP size is not decided here: checkpoint's resume policy owns that; this
+module only does the merge, of the files checkpoint names (zero_optimizer_files: DeepSpeed's file names are
+checkpoint's knowledge, handed in, so compat imports nothing above it).
 
-Versions: 0.16.x (Python 3.11) and 0.19.x (Python 3.12) are tested; what differs between them is handled
-here (self_attention_extra_kwargs). GPTModel's forward ends at the final hidden states
-(output_layer_returns_hidden_states). DeepSpeed 0.19.8: its bf16 / ZeRO step is mirrored without host reads
-(remove_host_syncs) and its optimizer partitions are re-split for elastic resume.
-
-Process groups, devices and collectives are plumbing, not quirks: pipeline.distributed.
+About 480 lines, over the usual 400, on purpose: everything that copies one DeepSpeed release's private code
+sits behind the one version check here, so an upgrade is re-checked in one file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.compat.megatron import cuda_available
+
 log = logging.getLogger(__name__)
 
-_CPU_SHIMS_APPLIED = False
-_CPU_DEVICE_CHOSEN = False  # train.device=cpu on a host with a GPU: behave as on a CPU-only torch
+# The DeepSpeed release the copied code below mirrors; pyproject.toml pins deepspeed==this.
+DEEPSPEED_MIRRORED = "0.19.8"
+_WARNED_FALLBACK = False
 
 
-def use_cpu_device() -> None:
-    """Train on the CPU although CUDA is there (pipeline.distributed calls it for train.device=cpu)."""
-    global _CPU_DEVICE_CHOSEN
-    _CPU_DEVICE_CHOSEN = True
+def installed_deepspeed() -> str:
+    """The installed DeepSpeed release, without a local build label (0.19.8+abc123 is 0.19.8, as for pip)."""
+    import deepspeed
 
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available() and not _CPU_DEVICE_CHOSEN
-
-
-def apply_cpu_shims() -> None:
-    """Patch the CUDA-only spots of megatron-core with CPU versions (idempotent; no-op with CUDA)."""
-    global _CPU_SHIMS_APPLIED
-    if _CPU_SHIMS_APPLIED or cuda_available():
-        return
-    from megatron.core.fusions import fused_softmax
-
-    def causal_mask_cpu(sq: int) -> torch.Tensor:
-        return torch.ones(sq, sq, dtype=torch.bool).triu_(diagonal=1)
-
-    # fused_softmax imported the function by name, so patch that module's binding (shim 3).
-    fused_softmax.get_default_causal_mask = causal_mask_cpu
-    _CPU_SHIMS_APPLIED = True
-
-
-def _install_cpu_memory_buffer() -> None:
-    """Shim 2: the buffer DotProductAttention takes its score matrix from, allocated on the CPU."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    class CpuMemoryBuffer(GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            numel = 1
-            for n in tensor_shape:
-                numel *= n
-            buf = self.buffer.get((name, dtype))
-            if buf is None or buf.numel() < numel:
-                buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
-            return buf[:numel].view(*tensor_shape)
-
-    parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
-
-
-def _seed_model_parallel_cpu(seed: int) -> None:
-    """Shim 1: megatron's RNG tracker (used by attention dropout in TP regions) on CPU RNG states."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mp_random
-
-    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
-        def add(self, name, seed):
-            if name in self.states_:
-                raise ValueError(f"RNG state {name} already exists")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                self.states_[name] = torch.get_rng_state()
-            self.seeds_.add(seed)
-
-        @contextlib.contextmanager
-        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(outer)
-
-    tracker = CpuRNGStatesTracker()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    # Same seed layout as model_parallel_cuda_manual_seed: default = seed, TP regions = seed+2718+rank.
-    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
-    mp_random._CUDA_RNG_STATE_TRACKER = tracker
-    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-
-
-def megatron_on_cpu(seed: int) -> None:
-    """Shims 1-3 on a CPU-only torch, after every (re)initialisation of parallel_state: it builds a fresh
-    CUDA memory buffer and RNG tracker each time."""
-    apply_cpu_shims()
-    _install_cpu_memory_buffer()
-    _seed_model_parallel_cpu(seed)
-
-
-def model_parallel_rng_states() -> dict[str, Any]:
-    """megatron's model-parallel RNG tracker states (dropout inside TP regions): CUDA or, on CPU, shim 1's."""
-    from megatron.core import tensor_parallel
-
-    return tensor_parallel.get_cuda_rng_tracker().get_states()
-
-
-def set_model_parallel_rng_states(states: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().set_states(states)
-
-
-# Keyword arguments that megatron's TransformerLayer hands its self-attention module beyond 0.16's, by the
-# release that added them: 0.19 passes the module's ``name`` (a label for logging / checkpoint naming).
-SELF_ATTENTION_NEW_KWARGS = ("name", "pp_layer_offset")
-
-
-def self_attention_extra_kwargs(extra: dict[str, Any]) -> dict[str, Any]:
-    """The extra keyword arguments PrismSelfAttention forwards to megatron's SelfAttention: the known newer
-    ones. Anything else is an API change to look at here, not something to pass or drop blindly."""
-    unknown = sorted(set(extra) - set(SELF_ATTENTION_NEW_KWARGS))
-    if unknown:
-        raise TypeError(
-            f"PrismSelfAttention: megatron-core passed unknown argument(s) {unknown}; "
-            "add them to pipeline/compat.py SELF_ATTENTION_NEW_KWARGS once checked"
-        )
-    return extra
-
-
-_SINGLE_RANK_GROUPS: list | None = None
-
-
-def single_rank_groups() -> list:
-    """One process group per global rank holding only that rank (a "TP group" of size 1 for replicated
-    attention). Collective: the first call must happen on every rank."""
-    global _SINGLE_RANK_GROUPS
-    if _SINGLE_RANK_GROUPS is None:
-        world = torch.distributed.get_world_size()
-        _SINGLE_RANK_GROUPS = [torch.distributed.new_group([r]) for r in range(world)]
-    return _SINGLE_RANK_GROUPS
-
-
-def replicated_attention_groups(pg_collection):
-    """megatron's process groups for one attention module, with its TP group swapped for this rank's
-    1-rank group: megatron then builds the QKV/O weights whole and runs no TP collectives for it."""
-    import copy
-
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-    pg_collection = copy.copy(pg_collection)
-    pg_collection.tp = single_rank_groups()[torch.distributed.get_rank()]
-    return pg_collection
-
-
-def mark_replicated(parameters) -> None:
-    """Mark a replicated module's weights as whole copies: megatron's parallel linears flag every weight as
-    a TP shard, even in a 1-rank group, and DeepSpeed's grad norm would then count them once per TP rank."""
-    for p in parameters:
-        p.tensor_model_parallel = False
-
-
-def output_layer_returns_hidden_states(model) -> None:
-    """Make GPTModel's forward end at the final (normed) hidden states: its output layer returns its input
-    instead of the [s, b, V/TP] logits, and the caller projects (pipeline.model.gpt: `lm_loss` chunk by
-    chunk, `logits` whole), applying the TP copy itself.
-
-    Relies on GPTModel's postprocess calling `output_layer(hidden, weight=..., runtime_gather_output=...)`
-    and, with no labels, returning its output transposed to [b, s, ...] (0.16 and 0.19 do). The output layer
-    features that would change that contract are off in Prism's configs; refused if ever on."""
-    layer = model.output_layer
-    unsupported = [
-        name
-        for name, on in [
-            ("sequence_parallel", layer.sequence_parallel),
-            ("gradient_accumulation_fusion", layer.gradient_accumulation_fusion),
-            ("defer_embedding_wgrad_compute", layer.config.defer_embedding_wgrad_compute),
-            ("mtp_num_layers", model.config.mtp_num_layers),
-            ("use_mup", getattr(model.config, "use_mup", False)),  # 0.19 scales the logits then
-        ]
-        if on
-    ]
-    if unsupported:
-        raise RuntimeError(f"pipeline/compat.py output_layer_returns_hidden_states: {unsupported} not supported")
-
-    def hand_over(input_, weight=None, runtime_gather_output=None):
-        return input_, None
-
-    layer.forward = hand_over
-
-
-def output_weight(model) -> torch.Tensor:
-    """This TP rank's output projection [V/TP, d]: the word embeddings when tied (GPTModel then allocates
-    no output weight), else the output layer's. ``model`` may be the DeepSpeed engine around the GPTModel."""
-    gpt = getattr(model, "module", model)
-    return gpt.embedding.word_embeddings.weight if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+    return deepspeed.__version__.split("+")[0]
 
 
 # ======================================================================================================
-# DeepSpeed: the mpu adapter, the CPU comm-op build skip, environment defaults.
+# Adapters: the mpu object, the import with our defaults.
 # ======================================================================================================
 class MegatronMpu:
     """The ``mpu`` object ``deepspeed.initialize`` expects, answered from megatron's parallel_state.
@@ -270,7 +96,6 @@ def import_deepspeed():
     shared-memory comm-op build on CPU (a ~40 s g++ JIT on first use; gloo does the collectives anyway)."""
     import importlib
     import sys
-    from pathlib import Path
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if not cuda_available():
@@ -296,76 +121,38 @@ def import_deepspeed():
     return deepspeed
 
 
-def load_zero_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None:
-    """Elastic resume for ZeRO stages 1/2: restore the optimizer's fp32 master weights and moments from a
-    checkpoint saved at another data-parallel size. bf16 at ZeRO-1 runs DeepSpeed's BF16_Optimizer, not its
-    ZeRO optimizer: load_bf16_partitions_at_new_dp; any other optimizer is refused in one line.
-
-    DeepSpeed 0.19's `load_checkpoint` refuses a DP change ("not currently supported") although its ZeRO-1/2
-    optimizer can merge and re-split partitions (`_restore_elastic_*`), but only from "elastic" files, and
-    its elastic save asserts a param-group "step" that torch's AdamW does not keep. So checkpoints stay in the
-    default (rigid) format and are converted here: each saved partition's optimizer state loses its
-    DP padding (only the last partition has any) and gets the step, then the optimizer's own merge runs.
-    Call after `engine.load_checkpoint(..., load_optimizer_states=False)` loaded the module weights."""
-    from deepspeed.checkpoint.constants import (
-        BASE_OPTIMIZER_STATE,
-        BASE_OPTIMIZER_STATE_STEP,
-        GROUP_PADDINGS,
-        OPTIMIZER_STATE_DICT,
-    )
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from pipeline.config import ConfigError
-
-    optimizer = engine.optimizer
-    if isinstance(optimizer, BF16_Optimizer):
-        return load_bf16_partitions_at_new_dp(engine, load_dir, tag)
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        raise ConfigError(
-            f"{os.path.join(load_dir, tag)}: saved at data-parallel size {engine.loaded_checkpoint_dp_world_size}, "
-            f"this run has {engine.dp_world_size}, and its optimizer ({type(optimizer).__name__}) keeps a state that "
-            f"is not re-split for another DP size (only ZeRO-1/2's and bf16 ZeRO-1's is); resume with data-parallel "
-            f"size {engine.loaded_checkpoint_dp_world_size}"
-        )
-    names = engine._get_all_zero_checkpoint_names(load_dir, tag, engine.bfloat16_enabled())  # the saved DP size
-    partitions = []
-    for name in names:
-        sd = torch.load(name, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
-        base = sd[BASE_OPTIMIZER_STATE]
-        if isinstance(base, dict):  # rigid: torch's state_dict, one padded flat partition per group
-            groups = []
-            for i, padding in enumerate(sd[GROUP_PADDINGS]):
-                state = base["state"][i]
-                groups.append(
-                    {
-                        k: v[: v.numel() - padding] if torch.is_tensor(v) and v.dim() == 1 and padding else v
-                        for k, v in state.items()
-                    }
-                )
-            sd[BASE_OPTIMIZER_STATE] = groups
-            step = groups[0].get("step", 0)
-            sd[BASE_OPTIMIZER_STATE_STEP] = float(step) if torch.is_tensor(step) else step
-        partitions.append(sd)
-    optimizer._load_global_state(partitions[0])
-    optimizer._restore_elastic_base_optimizer_state(partitions)
-    optimizer._restore_from_elastic_fp32_weights(partitions)
-    optimizer._link_all_hp_params()
-
-
 def remove_host_syncs(optimizer: Any) -> None:
     """Make the DeepSpeed optimizer wrapper's step read nothing on the host, where we know how (bf16 / fp32
     under ZeRO-1/2; the plain torch optimizer of ZeRO-0 reads nothing already). One sync remains for fp32
-    ZeRO-1/2, see zero_clip_without_host_reads."""
+    ZeRO-1/2, see zero_clip_without_host_reads. On a DeepSpeed other than DEEPSPEED_MIRRORED: nothing is
+    replaced, DeepSpeed's own step runs, and one warning line says so."""
+    global _WARNED_FALLBACK
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    installed = installed_deepspeed()
+    if installed != DEEPSPEED_MIRRORED:
+        dist = torch.distributed
+        if not _WARNED_FALLBACK and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.warning(
+                "prism: warning: DeepSpeed %s is installed, pipeline/compat/deepspeed.py mirrors %s's optimizer "
+                "step: DeepSpeed's own step runs (correct, with its host syncs); pip install deepspeed==%s "
+                "for the sync-free one",
+                installed,
+                DEEPSPEED_MIRRORED,
+                DEEPSPEED_MIRRORED,
+            )
+        _WARNED_FALLBACK = True
+        return
     if isinstance(optimizer, BF16_Optimizer):  # bf16 + fp32 gradient accumulation, ZeRO-1
         sync_free_bf16_step(optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):  # ZeRO-2 bf16, ZeRO-1/2 fp32
         zero_clip_without_host_reads(optimizer)
 
 
+# ======================================================================================================
+# The optimizer step without host reads: copied from DEEPSPEED_MIRRORED (remove_host_syncs checks it).
+# ======================================================================================================
 # Attributes of DeepSpeed's BF16_Optimizer that sync_free_bf16_step's replacement step reads or calls.
 _BF16_STEP_USES = (
     "get_grads_for_norm",
@@ -408,7 +195,7 @@ def sync_free_bf16_step(optimizer: Any) -> None:
     missing = [name for name in _BF16_STEP_USES if not hasattr(optimizer, name)]
     if missing:
         raise RuntimeError(
-            f"pipeline/compat.py sync_free_bf16_step: DeepSpeed's {type(optimizer).__name__} lacks {missing}; "
+            f"pipeline/compat/deepspeed.py sync_free_bf16_step: DeepSpeed's {type(optimizer).__name__} lacks {missing}; "
             "its step changed, re-mirror it in sync_free_bf16_step"
         )
     import types
@@ -435,6 +222,8 @@ def _bf16_step_without_host_reads(self: Any, closure: Any = None) -> None:
         )
 
     # DeepSpeed: `if is_invalid_grad_norm(norm)` -> inf norm, clear the grads, return; `if clip_coef < 1` -> clip
+    # Differs from DeepSpeed on purpose: a NaN/inf step updates the moments with zero gradients, where
+    # DeepSpeed skips the step.
     invalid = ~torch.isfinite(all_groups_norm) | (all_groups_norm < 0)
     self._global_grad_norm = torch.where(invalid, float("inf"), all_groups_norm)
     clip_coef = torch.ones_like(all_groups_norm)
@@ -489,7 +278,7 @@ def zero_clip_without_host_reads(optimizer: Any) -> None:
     missing = [name for name in ("clip_grad", "loss_scale") if not hasattr(optimizer, name)]
     if missing or not hasattr(type(optimizer), "unscale_and_clip_grads"):
         raise RuntimeError(
-            f"pipeline/compat.py zero_clip_without_host_reads: DeepSpeed's {type(optimizer).__name__} lacks "
+            f"pipeline/compat/deepspeed.py zero_clip_without_host_reads: DeepSpeed's {type(optimizer).__name__} lacks "
             f"{missing or ['unscale_and_clip_grads']}; re-mirror its unscale_and_clip_grads there"
         )
     import types
@@ -502,6 +291,8 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
         return
 
     combined_scale = self.loss_scale
+    # Differs from DeepSpeed on purpose: a NaN/inf norm leaves zero gradients (the moments then update with
+    # zeros), where DeepSpeed's scale of 0 keeps the NaNs.
     if self.clip_grad > 0.0:
         # DeepSpeed: `if is_invalid_grad_norm(clip_norm): clip_norm = inf` (the -1 sentinel of a NaN/inf norm)
         total_norm = torch.as_tensor(total_norm, dtype=torch.float32)  # a float from a direct caller too
@@ -516,6 +307,85 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
         for g in grad if isinstance(grad, list) else [grad]:
             # an invalid norm scales by 1/inf = 0; nan_to_num after it, as 0 * inf is NaN
             g.data.mul_(1.0 / combined_scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# ======================================================================================================
+# Elastic resume: DeepSpeed's optimizer partitions saved at one DP size, re-split at another.
+# ======================================================================================================
+def elastic_merge_problem() -> str | None:
+    """Why the partition merge cannot run with the installed DeepSpeed (None: it can). It relies on
+    DEEPSPEED_MIRRORED's partition layout and private methods, so another release is refused, not tried."""
+    installed = installed_deepspeed()
+    if installed == DEEPSPEED_MIRRORED:
+        return None
+    return (
+        f"re-splitting the optimizer state for another data-parallel size relies on DeepSpeed "
+        f"{DEEPSPEED_MIRRORED}'s private partition layout and DeepSpeed {installed} is installed"
+    )
+
+
+def load_zero_partitions_at_new_dp(engine: Any, saved_files: list[Path]) -> None:
+    """Elastic resume for ZeRO stages 1/2: restore the optimizer's fp32 master weights and moments from a
+    checkpoint saved at another data-parallel size. bf16 at ZeRO-1 runs DeepSpeed's BF16_Optimizer, not its
+    ZeRO optimizer: load_bf16_partitions_at_new_dp. ``saved_files``: this TP rank's optimizer file of every
+    saved DP rank, in DP-rank order (pipeline.checkpoint.zero_optimizer_files names them). The resume policy
+    (pipeline.checkpoint) has already allowed the change; an optimizer without a merge here means that policy
+    and this module disagree.
+
+    DeepSpeed 0.19's `load_checkpoint` refuses a DP change ("not currently supported") although its ZeRO-1/2
+    optimizer can merge and re-split partitions (`_restore_elastic_*`), but only from "elastic" files, and
+    its elastic save asserts a param-group "step" that torch's AdamW does not keep. So checkpoints stay in the
+    default (rigid) format and are converted here: each saved partition's optimizer state loses its
+    DP padding (only the last partition has any) and gets the step, then the optimizer's own merge runs.
+    Call after `engine.load_checkpoint(..., load_optimizer_states=False)` loaded the module weights."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        BASE_OPTIMIZER_STATE_STEP,
+        GROUP_PADDINGS,
+        OPTIMIZER_STATE_DICT,
+    )
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from pipeline.config import ConfigError
+
+    problem = elastic_merge_problem()
+    if problem:
+        raise ConfigError(
+            f"{Path(saved_files[0]).parent}: saved at data-parallel size {engine.loaded_checkpoint_dp_world_size}, "
+            f"this run has {engine.dp_world_size}: {problem}; resume with data-parallel size {engine.loaded_checkpoint_dp_world_size}, or pip install "
+            f"deepspeed=={DEEPSPEED_MIRRORED}"
+        )
+    optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer):
+        return load_bf16_partitions_at_new_dp(engine, saved_files)
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        raise TypeError(
+            f"pipeline/compat/deepspeed.py: no partition merge for {type(optimizer).__name__}; the resume policy "
+            "in pipeline/checkpoint.py should have refused this data-parallel change"
+        )
+    partitions = []
+    for name in saved_files:
+        sd = torch.load(name, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
+        base = sd[BASE_OPTIMIZER_STATE]
+        if isinstance(base, dict):  # rigid: torch's state_dict, one padded flat partition per group
+            groups = []
+            for i, padding in enumerate(sd[GROUP_PADDINGS]):
+                state = base["state"][i]
+                groups.append(
+                    {
+                        k: v[: v.numel() - padding] if torch.is_tensor(v) and v.dim() == 1 and padding else v
+                        for k, v in state.items()
+                    }
+                )
+            sd[BASE_OPTIMIZER_STATE] = groups
+            step = groups[0].get("step", 0)
+            sd[BASE_OPTIMIZER_STATE_STEP] = float(step) if torch.is_tensor(step) else step
+        partitions.append(sd)
+    optimizer._load_global_state(partitions[0])
+    optimizer._restore_elastic_base_optimizer_state(partitions)
+    optimizer._restore_from_elastic_fp32_weights(partitions)
+    optimizer._link_all_hp_params()
 
 
 def reshard_flat_partitions(saved: list[torch.Tensor], numel: int, partition_size: int, dp_rank: int) -> torch.Tensor:
@@ -535,7 +405,7 @@ def reshard_flat_partitions(saved: list[torch.Tensor], numel: int, partition_siz
     return part
 
 
-def load_bf16_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None:
+def load_bf16_partitions_at_new_dp(engine: Any, saved_files: list[Path]) -> None:
     """Elastic resume for DeepSpeed's BF16_Optimizer (bf16 weights, fp32 masters and gradient sums, ZeRO-1).
 
     Its own load reads only the file of its DP rank. Each param group is one flat tensor (the params in
@@ -558,9 +428,9 @@ def load_bf16_partitions_at_new_dp(engine: Any, load_dir: str, tag: str) -> None
     from pipeline.config import ConfigError
 
     optimizer = engine.optimizer
-    where = os.path.join(load_dir, tag)
-    names = engine._get_all_zero_checkpoint_names(load_dir, tag, True)  # one per saved DP rank, in order
-    missing = [os.path.basename(n) for n in names if not os.path.isfile(n)]
+    where = Path(saved_files[0]).parent
+    names = [Path(n) for n in saved_files]
+    missing = [n.name for n in names if not n.is_file()]
     if missing:
         raise ConfigError(
             f"{where}: {missing[0]} is missing, the bf16 optimizer state of a saved DP rank (was the checkpoint "
