@@ -15,6 +15,8 @@ from pipeline.cli import (
     compare,
     demo,
     eval,
+    export,
+    generate,
     model,
     plan,
     prepare,
@@ -28,7 +30,22 @@ from pipeline.config import ConfigError
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
-VERB_MODULES = (schedule, model, plan, prepare, train, tracking, compare, eval, attention_distance, sweep, study, demo)
+VERB_MODULES = (
+    schedule,
+    model,
+    plan,
+    prepare,
+    train,
+    tracking,
+    compare,
+    eval,
+    export,
+    generate,
+    attention_distance,
+    sweep,
+    study,
+    demo,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +83,8 @@ EXAMPLES = {
     "tracking sync": "prism tracking sync runs/prism-tiny-s1234 --tracking-uri http://127.0.0.1:5000",
     "compare": "prism compare --experiment prism-tiny --tracking-uri sqlite:///runs/mlflow.db",
     "eval": "prism eval runs/prism-tiny-s1234/checkpoints --tasks piqa,arc_easy --limit 50",
+    "export": "prism export runs/prism-tiny-s1234 --out runs/prism-tiny-hf",
+    "generate": "prism generate runs/prism-tiny-hf --prompt 'The history of' --max-new-tokens 32",
     "attention-distance": "prism attention-distance runs/prism-tiny-s1234/checkpoints "
     "--compare runs/uniform-tiny-s1234/checkpoints --sequences 16",
     "sweep": "prism sweep launchers/sweeps/example.yaml --dry-run",
