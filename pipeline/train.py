@@ -435,6 +435,10 @@ def train(cfg: Config) -> dict[str, Any]:
     )
     val_rows = data.load_val_tokens(cfg, manifest)
     model = build_model(cfg)  # on the GPU already when there is one
+    if cfg.train.init_from and not resume_tag:  # a fresh run from exported weights; a resume has its own
+        from pipeline.export.hf import init_from
+
+        init_from(model, cfg, cfg.train.init_from)
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
 
     state = TrainState(loader=loader)

@@ -53,3 +53,16 @@ def _generate(folder, prompt, max_new_tokens, temperature, top_k, top_p, seed, s
             pad_token_id=tokenizer.eos_token_id,
         )
     return tokenizer.decode(out[0, inputs.input_ids.shape[1] :])
+
+
+DEMO_PROMPT = "The history of the"
+
+
+def demo_continuations(checkpoints: dict[str, Path], max_new_tokens: int = 24) -> str:
+    """`prism demo`'s last lines: a greedy continuation of one prompt from each arm's final checkpoint, through
+    the same export + transformers path a user takes."""
+    lines = [f'Greedy continuations of "{DEMO_PROMPT}" (prism generate, {max_new_tokens} tokens):']
+    for arm, checkpoint in checkpoints.items():
+        text = generate(checkpoint, DEMO_PROMPT, max_new_tokens, temperature=0.0, stream=False)
+        lines.append(f"  {arm:>7}: {DEMO_PROMPT!r} -> {text!r}")
+    return "\n".join(lines)
