@@ -604,7 +604,7 @@ def _check_ranges(cfg: Config) -> None:
             if v is not None and not allowed.allows(v):
                 raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
     for key in NON_EMPTY_KEYS:
-        if (_value(cfg, key) or "unset").strip() == "":  # None: an optional path left unset
+        if _value(cfg, key) is not None and not _value(cfg, key).strip():  # None: an optional path left unset
             raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
     for key in NAME_KEYS:
         value = _value(cfg, key)
