@@ -43,7 +43,7 @@ def _generate(folder, prompt, max_new_tokens, temperature, top_k, top_p, seed, s
     if inputs.input_ids.shape[1] == 0:
         raise ConfigError("--prompt is empty after tokenization; pass some text")
     torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)  # top_k 0: off
     with torch.no_grad():
         out = model.generate(
             **inputs,

@@ -128,7 +128,7 @@ def test_lm_eval_hf_backend_agrees_with_prism_eval(exports, tiny_checkpoints, tm
 
     from pipeline.eval.zeroshot import evaluate_checkpoint, task_manager
 
-    tasks, limit = ["piqa", "arc_easy"], 24
+    tasks, limit = ["piqa", "arc_easy"], 16
     for arm in ARMS:
         ours = evaluate_checkpoint(getattr(tiny_checkpoints, arm), tasks, limit, tmp_path / f"{arm}.json", device="cpu")
         remote = ",trust_remote_code=True" if arm == "prism" else ""
