@@ -182,7 +182,7 @@ def export(
     if problem:
         raise ConfigError(f"{tag_dir}: {problem}; use another checkpoint of the run")
     _, eos_id = load_tokenizer(cfg)  # refuses a missing tokenizer before anything is written
-    weights, info = checkpoint.read_weights(tag_dir)
+    weights, info = read_weights(tag_dir, cfg)
     if info.run_id is None:
         from pipeline.tracking.journal import journal_run_id
 
@@ -223,6 +223,29 @@ def export(
         "step": info.step,
         "mlflow": log_export(cfg, info, out) if log else {"logged": False, "reason": "scratch export"},
     }
+
+
+def read_weights(tag_dir: Path, cfg: Config):
+    """(TP=1 megatron state dict, CheckpointInfo): checkpoint.read_weights, once per TP rank for a TP
+    checkpoint (it reads one rank's file, mp_rank_00, so each rank's file is shown to it under that name
+    in a scratch folder), gathered by convert.gather_tp."""
+    from pipeline import checkpoint
+    from pipeline.export import convert
+
+    if cfg.parallel.tp == 1:
+        return checkpoint.read_weights(tag_dir)
+    shards, info = [], None
+    for rank in range(cfg.parallel.tp):
+        path = tag_dir / checkpoint.MODEL_STATES.replace("00", f"{rank:02d}")
+        if not path.is_file():
+            raise ConfigError(f"{tag_dir}: {path.name} (TP rank {rank}) is missing; use another checkpoint of the run")
+        with tempfile.TemporaryDirectory() as folder:
+            (Path(folder) / checkpoint.MODEL_STATES).symlink_to(path.resolve())
+            weights, rank_info = checkpoint.read_weights(Path(folder))
+        shards.append(weights)
+        info = info or rank_info
+    info.tag_dir = tag_dir
+    return convert.gather_tp(shards, cfg), info
 
 
 def log_export(cfg: Config, info, out: Path) -> dict[str, Any]:

@@ -188,3 +188,45 @@ def test_bad_input_is_one_line_and_writes_nothing(exports, tiny_checkpoints, tmp
     line = error_line(prism("export", str(tiny_checkpoints.uniform), *gone, "--out", str(tmp_path / "c")), "export")
     assert "data.tokenizer" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "tag"]  # nothing half-written
+
+
+def val_loss_of_export(folder: Path, tag_dir: Path) -> float:
+    """Mean next-token loss of an exported model over the run's fixed val rows (what the trainer logs)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import data
+    from pipeline.inference import load_config
+
+    cfg = load_config(tag_dir)
+    rows = torch.from_numpy(data.load_val_tokens(cfg, data.read_manifest(cfg.data.dataset_dir)).astype("int64"))
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+
+
+def test_tp2_checkpoint_exports_whole(tiny_checkpoints, tmp_path):
+    """A TP=2, ZeRO-2 run whose 3-head layers run replicated: the gathered export scores the val set as the
+    TP=2 trainer did at its last step; a missing rank is one line."""
+    from pipeline.checkpoint import resolve_tag_dir
+    from pipeline.export.hf import run_facts
+
+    overrides = [*tiny_checkpoints.overrides, f"run.output_dir={tmp_path}", "parallel.tp=2", "parallel.zero_stage=2"]
+    overrides += ["parallel.replicate_indivisible_layers=true"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    train = [*torchrun, "-m", "pipeline.cli", "train", "configs/tiny_prism.yaml", *overrides]
+    result = subprocess.run(train, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tag = resolve_tag_dir(tmp_path / "prism-tiny-s1234")
+    assert (tag / "mp_rank_01_model_states.pt").is_file()
+    exported = prism("export", str(tag), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    logged = run_facts(tag)["val_loss"]
+    got = val_loss_of_export(tmp_path / "hf", tag)
+    print(f"TP=2: trainer val loss {logged:.6f}, export {got:.6f}")
+    assert got == pytest.approx(logged, rel=1e-5)
+
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    assert "mp_rank_01" in error_line(prism("export", str(tag), "--out", str(tmp_path / "hf2")), "export")
+    assert not (tmp_path / "hf2").exists()
