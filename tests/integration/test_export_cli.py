@@ -75,6 +75,10 @@ def test_export_loads_in_fresh_python_with_the_trainers_logits(arm, exports, tin
     assert run_id in card and "tokens seen: 2,048" in card and "final val loss: " in card
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     assert tokenizer_config["eos_token"] == "<|endoftext|>"
+    from mlflow.tracking import MlflowClient  # the folder is an artifact of the checkpoint's own run
+
+    logged = {a.path for a in MlflowClient(tiny_checkpoints.tracking_uri(arm)).list_artifacts(run_id, f"hf/{arm}")}
+    assert {f"hf/{arm}/model.safetensors", f"hf/{arm}/config.json", f"hf/{arm}/tokenizer.json"} <= logged
 
     tokens = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
