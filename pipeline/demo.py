@@ -154,6 +154,9 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
         f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
         f"tick both runs, Compare."
     )
+    from pipeline.export.generate import demo_continuations
+
+    print(f"\n{demo_continuations({arm: cfgs[arm].checkpoint_dir for arm in ARMS})}")
     say(f"prism demo: done in {elapsed(t0)}")
     return 0
 

@@ -463,10 +463,13 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     )
     val_rows = data.load_val_tokens(cfg, manifest)
     model = build_model(cfg)  # on the GPU already when there is one
-    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
+    # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a
+    # `prism export` folder's weights (train.init_from), else the model's own initialisation.
+    if cfg.train.init_from and not resume.tag:
+        from pipeline.export.hf import init_from
 
-    # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else the
-    # model's own initialisation.
+        init_from(model, cfg, cfg.train.init_from)
+    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
     state = TrainState(loader=loader)
     if resume.tag:
         saved_dp = checkpoint.load(engine, cfg, resume.tag, state)

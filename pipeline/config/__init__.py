@@ -102,6 +102,7 @@ class TrainConfig:
     prefetch: int = 2
     peak_flops: float | None = None  # per device; None: look the device up in a table
     compile: bool = False  # torch.compile the model (pipeline.model.fusions); off: it does not pay on CPU
+    init_from: str | None = None  # a `prism export` folder: a fresh run starts from its weights (pipeline.export)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,14 @@ RANGES: dict[str, Range] = {
 }
 # Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
 # (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".
-NON_EMPTY_KEYS = ("run.output_dir", "data.dataset_dir", "data.input", "data.tokenizer", "data.eos_token")
+NON_EMPTY_KEYS = (
+    "run.output_dir",
+    "data.dataset_dir",
+    "data.input",
+    "data.tokenizer",
+    "data.eos_token",
+    "train.init_from",
+)
 NAME_KEYS = ("run.scale", "tracking.experiment")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
@@ -116,7 +123,7 @@ def check_ranges(cfg: Config) -> None:
             if v is not None and not allowed.allows(v):
                 raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
     for key in NON_EMPTY_KEYS:
-        if not _value(cfg, key).strip():
+        if _value(cfg, key) is not None and not _value(cfg, key).strip():  # None: an optional path left unset
             raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
     for key in NAME_KEYS:
         value = _value(cfg, key)

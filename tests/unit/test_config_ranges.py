@@ -22,6 +22,7 @@ BAD = [
     ("run.scale=a/b", "run.scale"),
     ("run.scale=''", "run.scale"),
     ("run.output_dir=''", "run.output_dir"),
+    ("train.init_from=''", "train.init_from"),  # unset is null; an empty path is a mistake
     ("model.num_layers=0", "model.num_layers"),
     ("model.d_model=0", "model.d_model"),
     ("model.h_base=0", "model.h_base"),
