@@ -4,6 +4,7 @@ and a torch-profiler split of step time.
     python benchmarks/bench_arms.py                                  # tiny presets on CPU, 6 steps per arm
     python benchmarks/bench_arms.py --scale 124m --steps 40          # GPU: bf16, the preset's batch
     python benchmarks/bench_arms.py --scale 757m --steps 20 --nproc 1 [overrides ...]
+    python benchmarks/bench_arms.py --quick                          # the CI size: tiny on CPU, 4 steps of 512 tokens
 
 Each arm is one `prism train` (pipeline.cli) under torchrun (NCCL on GPU, gloo on CPU), DeepSpeed ZeRO as the
 preset says, on a synthetic dataset of uniform random tokens written in the prepared-data format (manifest +
@@ -34,8 +35,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, refuse, report, say
 
 SYNTH_TOKENIZER = "synthetic-uniform-tokens"  # not a file: the data check compares names only
 SDPA_LOG = re.compile(r"attention: SDPA kernel per head dim on .*?: (d_h .*)$", re.M)
@@ -200,12 +200,15 @@ def main() -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="per device; default: the trainer's table")
     ap.add_argument("--workdir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--quick", action="store_true", help="tiny on CPU: --steps 4 --profile-steps 1, 512-token steps")
     ap.add_argument("overrides", nargs="*", help="config overrides for both arms (key=value)")
     args = ap.parse_args()
+    if args.quick:
+        args.scale, args.device, args.steps, args.warmup, args.profile_steps = "tiny", "cpu", 4, 1, 1
+        args.batch_tokens = args.batch_tokens or 512
+        args.peak_flops = args.peak_flops or 1e12  # nominal: the MFU fields are printed, not judged
     if args.steps < args.warmup + args.profile_steps + 2:
-        raise SystemExit(
-            f"bench_arms: --steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}"
-        )
+        refuse("bench_arms", f"--steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}")
 
     import torch
 
@@ -249,8 +252,13 @@ def main() -> None:
         "seq_len": probe.model.seq_len,
         "arms": {},
     }
+    say(
+        f"bench_arms: tokens/s, MFU, peak memory, SDPA kernels and a profile of both arms ({args.scale}, {device}, "
+        f"{args.steps} steps x {batch_tokens} tokens), each through prism train under torchrun"
+    )
     try:
         for arm, path in arms.items():
+            say(f"arm {arm}: {path}")
             result["arms"][arm] = run_arm(args, path, overrides, workdir)
     finally:
         if args.workdir is None:
@@ -278,7 +286,8 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f} ms ({100 * r['profile_share'][k]:.0f}%)" for k, v in r["profile_ms"].items())
         )
     print(f"ratio prism/uniform tokens_per_sec {result['ratio_prism_over_uniform_tokens_per_sec']:.3f}")
-    print("BENCH_ARMS " + json.dumps(result))
+    report("bench_arms", result)
+    print("BENCH_ARMS " + json.dumps(result))  # last: gpu_bench.sh and the integration test read it
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
