@@ -26,6 +26,13 @@ def say(*parts) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s]", *parts, flush=True)
 
 
+def announce(module: str, doc: str) -> None:
+    """Run as a script: print the docstring's first line (what is measured) before torch or datatrove load,
+    which takes tens of seconds on a busy machine."""
+    if module == "__main__":
+        say(doc.strip().splitlines()[0])
+
+
 def refuse(prog: str, message: str) -> None:
     """A missing or bad input: one line naming the cause and the fix, exit 2, no traceback."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)

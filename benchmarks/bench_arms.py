@@ -209,6 +209,7 @@ def main() -> None:
         args.peak_flops = args.peak_flops or 1e12  # nominal: the MFU fields are printed, not judged
     if args.steps < args.warmup + args.profile_steps + 2:
         refuse("bench_arms", f"--steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}")
+    say(f"bench_arms: {args.scale}, both arms through prism train; loading torch")
 
     import torch
 
@@ -254,7 +255,7 @@ def main() -> None:
     }
     say(
         f"bench_arms: tokens/s, MFU, peak memory, SDPA kernels and a profile of both arms ({args.scale}, {device}, "
-        f"{args.steps} steps x {batch_tokens} tokens), each through prism train under torchrun"
+        f"{args.steps} steps x {batch_tokens} tokens), each a prism train under torchrun"
     )
     try:
         for arm, path in arms.items():

@@ -26,10 +26,13 @@ import statistics
 import time
 import weakref
 
-import torch
-from _common import refuse, report, say
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from _common import announce, refuse, report, say
+
+announce(__name__, __doc__)  # before torch loads
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

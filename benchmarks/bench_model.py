@@ -15,12 +15,15 @@ import argparse
 import statistics
 import time
 
-import torch
-from _common import refuse, report, say
+from _common import announce, refuse, report, say
 
-from pipeline import config, distributed
-from pipeline.model import build_model, lm_loss
-from pipeline.model.report import uniform_twin
+announce(__name__, __doc__)  # before torch loads
+
+import torch  # noqa: E402
+
+from pipeline import config, distributed  # noqa: E402
+from pipeline.model import build_model, lm_loss  # noqa: E402
+from pipeline.model.report import uniform_twin  # noqa: E402
 
 PRESETS = {"tiny": "configs/tiny_prism.yaml", "124m": "configs/prism_124m.yaml"}
 

@@ -189,16 +189,16 @@ def main() -> None:
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
     cfg_path = args.config or str(ROOT / "configs" / "tiny_prism.yaml")
+    say(
+        f"{PROG}: tokens/s of prism prepare end to end and in its tasks vs raw encode_batch, tasks {TASKS}, "
+        f"best of {repeats}; then where the time goes"
+    )
 
     from data_prep.build import prepare_inputs
     from pipeline import config
     from pipeline.config import ConfigError
 
     quiet_datatrove()
-    say(
-        f"{PROG}: tokens/s of prism prepare end to end and in its tasks vs raw encode_batch, tasks {TASKS}, "
-        f"best of {repeats}; then where the time goes"
-    )
     overrides = list(args.overrides)
     if args.config is None:
         corpus = embedded_corpus(args.corpus_mb or (6 if args.quick else 24))
