@@ -4,7 +4,7 @@ and a torch-profiler split of step time.
     python benchmarks/bench_arms.py                                  # tiny presets on CPU, 6 steps per arm
     python benchmarks/bench_arms.py --scale 124m --steps 40          # GPU: bf16, the preset's batch
     python benchmarks/bench_arms.py --scale 757m --steps 20 --nproc 1 [overrides ...]
-    python benchmarks/bench_arms.py --quick                          # the CI size: tiny on CPU, 4 steps of 512 tokens
+    python benchmarks/bench_arms.py --quick                          # the CI size: tiny on CPU, 4 steps of 1024 tokens
 
 Each arm is one `prism train` (pipeline.cli) under torchrun (NCCL on GPU, gloo on CPU), DeepSpeed ZeRO as the
 preset says, on a synthetic dataset of uniform random tokens written in the prepared-data format (manifest +
@@ -200,12 +200,12 @@ def main() -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="per device; default: the trainer's table")
     ap.add_argument("--workdir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--json", default=None, help="also write the result here")
-    ap.add_argument("--quick", action="store_true", help="tiny on CPU: --steps 4 --profile-steps 1, 512-token steps")
+    ap.add_argument("--quick", action="store_true", help="tiny on CPU: --steps 4 --profile-steps 1, 1024-token steps")
     ap.add_argument("overrides", nargs="*", help="config overrides for both arms (key=value)")
     args = ap.parse_args()
     if args.quick:
         args.scale, args.device, args.steps, args.warmup, args.profile_steps = "tiny", "cpu", 4, 1, 1
-        args.batch_tokens = args.batch_tokens or 512
+        args.batch_tokens = args.batch_tokens or 1024  # one micro-batch of the tiny preset
         args.peak_flops = args.peak_flops or 1e12  # nominal: the MFU fields are printed, not judged
     if args.steps < args.warmup + args.profile_steps + 2:
         refuse("bench_arms", f"--steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}")
@@ -224,7 +224,10 @@ def main() -> None:
     data_dir = workdir / "data"
     overrides = [f"train.device={device}"] + (["train.precision=bf16"] if device == "cuda" else [])
     overrides += list(args.overrides)
-    probe = config.load(arms["prism"], overrides)
+    try:
+        probe = config.load(arms["prism"], overrides)
+    except config.ConfigError as e:
+        refuse("bench_arms", str(e))
     batch_tokens = args.batch_tokens or probe.train.batch_tokens
     overrides += [
         f"run.output_dir={workdir / 'runs'}",
@@ -240,7 +243,10 @@ def main() -> None:
         "checkpoint.every_steps=1000000000",
         "checkpoint.keep_last=1",
     ] + ([f"train.peak_flops={args.peak_flops}"] if args.peak_flops else [])
-    probe = config.load(arms["prism"], overrides)
+    try:
+        probe = config.load(arms["prism"], overrides)
+    except config.ConfigError as e:  # --batch-tokens is checked here
+        refuse("bench_arms", str(e))
     write_synthetic_dataset(probe, data_dir, args.steps * batch_tokens, shards_at_least=2 * args.nproc)
 
     result = {
