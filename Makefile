@@ -12,7 +12,7 @@ TORCH312_VERSION ?= 2.14.1
 PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do $$p -V >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP312 := $(VENV312)/.installed
 
-.PHONY: setup setup-py312 test test-unit test-py312 lint demo clean-demo bench
+.PHONY: setup setup-py312 test test-unit test-py312 lint demo clean-demo bench bench-quick
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ test-unit: setup
 demo: setup
 	$(VENV)/bin/prism demo
 
-# Speed targets: each script prints ratios measured in one run (this machine is noisy).
+# Speed targets: each script prints ratios measured in one run (this machine is noisy). Each builds what it
+# needs (benchmarks/_common.py), so both targets run on a fresh clone.
 bench: setup
 	set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f; done
+
+# Every benchmark at its --quick size (CI runs this): each must exit 0 and report its fields; no timing is judged.
+bench-quick: setup
+	$(PY) benchmarks/check_quick.py

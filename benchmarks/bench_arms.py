@@ -4,6 +4,7 @@ and a torch-profiler split of step time.
     python benchmarks/bench_arms.py                                  # tiny presets on CPU, 6 steps per arm
     python benchmarks/bench_arms.py --scale 124m --steps 40          # GPU: bf16, the preset's batch
     python benchmarks/bench_arms.py --scale 757m --steps 20 --nproc 1 [overrides ...]
+    python benchmarks/bench_arms.py --quick                          # the CI size: tiny on CPU, 4 steps of 1024 tokens
 
 Each arm is one `prism train` (pipeline.cli) under torchrun (NCCL on GPU, gloo on CPU), DeepSpeed ZeRO as the
 preset says, on a synthetic dataset of uniform random tokens written in the prepared-data format (manifest +
@@ -34,8 +35,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, refuse, report, say
 
 SYNTH_TOKENIZER = "synthetic-uniform-tokens"  # not a file: the data check compares names only
 SDPA_LOG = re.compile(r"attention: SDPA kernel per head dim on .*?: (d_h .*)$", re.M)
@@ -200,12 +200,16 @@ def main() -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="per device; default: the trainer's table")
     ap.add_argument("--workdir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--quick", action="store_true", help="tiny on CPU: --steps 4 --profile-steps 1, 1024-token steps")
     ap.add_argument("overrides", nargs="*", help="config overrides for both arms (key=value)")
     args = ap.parse_args()
+    if args.quick:
+        args.scale, args.device, args.steps, args.warmup, args.profile_steps = "tiny", "cpu", 4, 1, 1
+        args.batch_tokens = args.batch_tokens or 1024  # one micro-batch of the tiny preset
+        args.peak_flops = args.peak_flops or 1e12  # nominal: the MFU fields are printed, not judged
     if args.steps < args.warmup + args.profile_steps + 2:
-        raise SystemExit(
-            f"bench_arms: --steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}"
-        )
+        refuse("bench_arms", f"--steps must be >= warmup + profile-steps + 2 = {args.warmup + args.profile_steps + 2}")
+    say(f"bench_arms: {args.scale}, both arms through prism train; loading torch")
 
     import torch
 
@@ -220,7 +224,10 @@ def main() -> None:
     data_dir = workdir / "data"
     overrides = [f"train.device={device}"] + (["train.precision=bf16"] if device == "cuda" else [])
     overrides += list(args.overrides)
-    probe = config.load(arms["prism"], overrides)
+    try:
+        probe = config.load(arms["prism"], overrides)
+    except config.ConfigError as e:
+        refuse("bench_arms", str(e))
     batch_tokens = args.batch_tokens or probe.train.batch_tokens
     overrides += [
         f"run.output_dir={workdir / 'runs'}",
@@ -236,7 +243,10 @@ def main() -> None:
         "checkpoint.every_steps=1000000000",
         "checkpoint.keep_last=1",
     ] + ([f"train.peak_flops={args.peak_flops}"] if args.peak_flops else [])
-    probe = config.load(arms["prism"], overrides)
+    try:
+        probe = config.load(arms["prism"], overrides)
+    except config.ConfigError as e:  # --batch-tokens is checked here
+        refuse("bench_arms", str(e))
     write_synthetic_dataset(probe, data_dir, args.steps * batch_tokens, shards_at_least=2 * args.nproc)
 
     result = {
@@ -249,8 +259,13 @@ def main() -> None:
         "seq_len": probe.model.seq_len,
         "arms": {},
     }
+    say(
+        f"bench_arms: tokens/s, MFU, peak memory, SDPA kernels and a profile of both arms ({args.scale}, {device}, "
+        f"{args.steps} steps x {batch_tokens} tokens), each a prism train under torchrun"
+    )
     try:
         for arm, path in arms.items():
+            say(f"arm {arm}: {path}")
             result["arms"][arm] = run_arm(args, path, overrides, workdir)
     finally:
         if args.workdir is None:
@@ -278,7 +293,8 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f} ms ({100 * r['profile_share'][k]:.0f}%)" for k, v in r["profile_ms"].items())
         )
     print(f"ratio prism/uniform tokens_per_sec {result['ratio_prism_over_uniform_tokens_per_sec']:.3f}")
-    print("BENCH_ARMS " + json.dumps(result))
+    report("bench_arms", result)
+    print("BENCH_ARMS " + json.dumps(result))  # last: gpu_bench.sh and the integration test read it
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                      # tiny preset (+ 124M on CPU, a few steps)
     python benchmarks/bench_model.py --presets tiny       # only the tiny preset
     python benchmarks/bench_model.py --presets 124m --batch 8 --steps 10   # on a GPU: 124M in bf16
+    python benchmarks/bench_model.py --quick              # the CI size: tiny, batch 4, 3 steps per arm
 
 Steps of the two arms alternate (prism, uniform, prism, ...) so machine noise hits both alike; the
 median step time per arm gives the ratio. Target: prism / uniform >= 0.99.
@@ -14,11 +15,15 @@ import argparse
 import statistics
 import time
 
-import torch
+from _common import announce, refuse, report, say
 
-from pipeline import config, distributed
-from pipeline.model import build_model, lm_loss
-from pipeline.model.report import uniform_twin
+announce(__name__, __doc__)  # before torch loads
+
+import torch  # noqa: E402
+
+from pipeline import config, distributed  # noqa: E402
+from pipeline.model import build_model, lm_loss  # noqa: E402
+from pipeline.model.report import uniform_twin  # noqa: E402
 
 PRESETS = {"tiny": "configs/tiny_prism.yaml", "124m": "configs/prism_124m.yaml"}
 
@@ -68,11 +73,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="default: 8 for tiny, 1 (CPU) / 8 (GPU) for 124m")
     p.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 10 tiny, 3 124m)")
     p.add_argument("--seq-len", type=int, default=None, help="override model.seq_len")
+    p.add_argument("--quick", action="store_true", help="tiny only, batch 4, 3 steps per arm (under a minute)")
     args = p.parse_args()
+    if args.quick:
+        args.presets, args.batch, args.steps = ["tiny"], args.batch or 4, args.steps or 3
+    if min(args.batch or 1, args.steps or 1, args.seq_len or 1) < 1:
+        refuse("bench_model", "--batch, --steps and --seq-len must be >= 1")
     for preset in args.presets:
         small = preset == "tiny" or torch.cuda.is_available()
         batch = args.batch or (8 if small else 1)
         steps = args.steps or (10 if small else 3)
+        say(f"bench_model: {preset}, fwd+bwd tokens/s of the prism arm and its uniform twin, {steps} steps/arm")
         r = bench(preset, batch, steps, args.seq_len)
         print(
             f"{r['preset']:>5} on {r['device']} ({r['precision']}, batch {r['batch']} x {r['seq_len']}, "
@@ -80,6 +91,7 @@ def main() -> None:
             f"tok/s, ratio prism/uniform = {r['ratio']:.3f}",
             flush=True,
         )
+        report("bench_model", r)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,46 @@
-"""Tokens/s of the whole `prism prepare` pipeline vs. raw `tokenizers` encoding of the same documents.
+"""Tokens/s of the whole `prism prepare` pipeline vs. raw `tokenizers` encoding of the same documents, and where
+the difference goes.
 
-Both sides use N forked processes, each owning the parquet files datatrove would give that rank
-(files[rank::N]); the raw side has the texts in memory already and only encodes. Printed in one run:
-the ratio pipeline / raw for N = 1 and 2 (target >= 0.90) and the pipeline's scaling from 1 to 2 tasks.
+    python benchmarks/bench_tokenize.py            # a 24 MB embedded corpus + 8k BPE (cached in runs/bench)
+    python benchmarks/bench_tokenize.py --quick    # a 6 MB corpus, one repetition (under a minute)
+    python benchmarks/bench_tokenize.py --config CONFIG [overrides...]   # that config's input and tokenizer
 
-    python benchmarks/bench_tokenize.py [CONFIG] [overrides...]   (default: configs/tiny_prism.yaml with a
-    24 MB embedded corpus cached in runs/data/bench-corpus-24mb, so per-run startup does not dominate)
+For N = 1 and 2 tasks, both sides run N processes on the same cores, each owning the parquet files datatrove
+gives that rank (files[rank::N]); the raw side has the texts in memory already and only calls encode_batch.
+Printed in one run: the ratio pipeline / raw per N (target >= 0.90), "end to end" = the whole prepare() call
+(checks, executor, manifest), "in tasks" = datatrove's step timings (reader + writer) of the slowest task,
+and the pipeline's scaling from 1 to 2 tasks. The two sides alternate, best of --repeats each (the machine
+is shared: ratios within one run, not absolute rates, are the figures).
 
-"end-to-end" times the whole prepare() call (checks, executor start, manifest); "in tasks" uses the
-datatrove step timings (reader + writer), i.e. the steady-state rate a long run approaches.
+Where the end-to-end time goes, per N (from the pipeline run): interpreter start-up (before prepare; left
+out of end to end, as the raw side's process start is), checks (tokenizer hash, input schemas, build state),
+pipeline construction (datatrove imports and its dependency check), executor (start + tasks + stats),
+the slowest task's reader and writer time, the executor's own overhead around the tasks (process pool,
+task loggers, stats files), and the manifest. Then the writer's parts, measured one at a time in this
+process over the whole corpus: encode_batch, packing (ids to numpy, split, rows), tar encoding + sha256,
+and file writes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-REPEATS = 2
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, bpe_tokenizer, embedded_corpus, quiet_datatrove, refuse, report, say
+
+PROG = "bench_tokenize"
+TASKS = (1, 2)
 
 
+# --- raw encode_batch ---------------------------------------------------------------------------------
 def _raw_encode(args) -> int:
     tokenizer_path, texts, batch = args
     from tokenizers import Tokenizer
@@ -35,99 +51,221 @@ def _raw_encode(args) -> int:
     return sum(len(e.ids) + 1 for i in range(0, len(texts), batch) for e in encode(texts[i : i + batch]))
 
 
-def raw_tokens_per_sec(tokenizer_path: str, files: list[Path], tasks: int, text_key: str) -> float:
+def read_texts(files: list[Path], text_key: str) -> list[str]:
     import pyarrow.parquet as pq
 
-    shares = [
-        [t for f in files[r::tasks] for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
-        for r in range(tasks)
-    ]
+    return [t for f in files for t in pq.read_table(f, columns=[text_key]).column(text_key).to_pylist()]
+
+
+def raw_tokens_per_sec(tokenizer_path: str, files: list[Path], tasks: int, text_key: str, batch: int) -> float:
+    shares = [read_texts(files[r::tasks], text_key) for r in range(tasks)]
     with mp.get_context("fork").Pool(tasks) as pool:
         start = time.perf_counter()
-        tokens = sum(pool.map(_raw_encode, [(tokenizer_path, s, 1000) for s in shares]))
+        tokens = sum(pool.map(_raw_encode, [(tokenizer_path, s, batch) for s in shares]))
         return tokens / (time.perf_counter() - start)
 
 
-def pipeline_tokens_per_sec(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> tuple[float, float, int]:
-    """One prepare() in a fresh interpreter: a process that already used tokenizers' thread pool makes its
-    forked children single-threaded, which would skew whichever side runs later."""
-    import json
-    import subprocess
-
+# --- the pipeline, one prepare() in a fresh interpreter ---------------------------------------------------
+def pipeline_run(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> dict:
+    """A process that already used tokenizers' thread pool makes its forked children single-threaded, which
+    would skew whichever side runs later: so prepare() runs in its own interpreter."""
     args = [*overrides, f"data.dataset_dir={out}", f"data.tasks={tasks}", f"data.workers={tasks}"]
+    spawned = time.time()
     done = subprocess.run(
-        [sys.executable, __file__, "--pipeline-once", cfg_path, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, __file__, "--pipeline-once", cfg_path, *args], cwd=ROOT, capture_output=True, text=True
     )
-    secs = float(done.stdout.strip().splitlines()[-1])
-    tokens = json.loads((out / "manifest.json").read_text())["totals"]["tokens_encoded"]
-    # slowest task's step time: tasks run in parallel, so the wall clock follows the slowest
-    task_secs = max(
-        sum(step["time_stats"]["total"] for step in json.loads(p.read_text()))
-        for p in (out / ".prep" / "logs" / "stats").glob("*.json")
-    )
-    return tokens / secs, tokens / task_secs, tokens
+    if done.returncode != 0:
+        raise SystemExit(f"{PROG}: prepare with data.tasks={tasks} failed:\n{done.stderr[-3000:]}")
+    phases = json.loads(done.stdout.strip().splitlines()[-1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    # the slowest task's step times: tasks run in parallel, so the wall clock follows the slowest
+    per_task = [json.loads(p.read_text()) for p in sorted((out / ".prep" / "logs" / "stats").glob("*.json"))]
+    slowest = max(per_task, key=lambda steps: sum(s["time_stats"]["total"] for s in steps))
+    reader, writer = (s["time_stats"]["total"] for s in slowest)
+    tokens = manifest["totals"]["tokens_encoded"]
+    return {
+        "tokens": tokens,
+        "startup_s": phases["started"] - spawned,
+        "end_to_end_s": phases["prepare"],
+        "checks_s": phases["prepare"] - phases["build_pipeline"] - phases["executor"] - phases["manifest"],
+        "build_pipeline_s": phases["build_pipeline"],
+        "executor_s": phases["executor"],
+        "task_reader_s": reader,
+        "task_writer_s": writer,
+        "executor_overhead_s": phases["executor"] - reader - writer,
+        "manifest_s": phases["manifest"],
+    }
 
 
 def _pipeline_once(cfg_path: str, overrides: list[str]) -> None:
-    from data_prep.build import prepare
+    """Child: prepare() with its phases timed (wrappers around build's own functions)."""
+    started = time.time()
+    from data_prep import build
     from pipeline import config
 
+    quiet_datatrove()
+    phases = {"started": started, "executor": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] = time.perf_counter() - t
+
+        return wrapper
+
+    def build_executor(*args, **kwargs):
+        executor = plain_build_executor(*args, **kwargs)
+        executor.run = timed("executor", executor.run)
+        return executor
+
+    plain_build_executor = build.build_executor
+    build.build_pipeline = timed("build_pipeline", build.build_pipeline)
+    build.build_executor = build_executor
+    build.write_manifest = timed("manifest", build.write_manifest)
     cfg = config.load(cfg_path, overrides)
-    start = time.perf_counter()
-    prepare(cfg, quiet=True)
-    print(time.perf_counter() - start)
+    timed("prepare", build.prepare)(cfg, quiet=True)
+    print(json.dumps(phases))
 
 
-def main(argv: list[str]) -> None:
-    from datatrove.utils.logging import logger
+# --- the writer's parts, one at a time ---------------------------------------------------------------------
+def writer_parts(cfg, tokenizer_path: str, out: Path) -> dict:
+    """Serial seconds over the whole corpus for each part of TokenizeToShards, with its own functions."""
+    from data_prep.build import build_pipeline, data_identity, tokenizer_info
+    from data_prep.tokenize_to_shards import _SplitPacker, encode_tar, is_val
+    from pipeline.atomic import write_atomic
+
+    ident = data_identity(cfg, tokenizer_info(tokenizer_path, cfg.data.eos_token, cfg.model.vocab_size))
+    reader, writer = build_pipeline(cfg, tokenizer_path, ident)
+    t = time.perf_counter()
+    docs = list(reader.run(None, 0, 1))
+    parts = {"reader_s": time.perf_counter() - t}
+
+    tok = writer.tokenizer  # with the EOS post-processor, as in the tasks
+    tok.encode_special_tokens = True
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    batch = writer.batch_size
+    t = time.perf_counter()
+    encodings = [e for i in range(0, len(docs), batch) for e in encode([d.text for d in docs[i : i + batch]])]
+    parts["encode_batch_s"] = time.perf_counter() - t
+
+    shards = []
+    packers = {
+        split: _SplitPacker(split, 0, out, cfg.model.seq_len, cfg.data.sequences_per_sample, per_shard, ident["dtype"])
+        for split, per_shard in (("train", cfg.data.samples_per_shard), ("val", cfg.data.val_samples_per_shard))
+    }
+    for p in packers.values():
+        p._write_shard = shards.append  # packing only: the shards are kept for the next parts
+    t = time.perf_counter()
+    for doc, enc in zip(docs, encodings):
+        packers["val" if is_val(str(doc.id), cfg.data.val_fraction) else "train"].add(enc.ids)
+    parts["packing_s"] = time.perf_counter() - t
+
+    import hashlib
+
+    t = time.perf_counter()
+    tars = [encode_tar(s, f"bench-{i:06d}") for i, s in enumerate(shards)]
+    for data in tars:
+        hashlib.sha256(data).hexdigest()
+    parts["tar_and_sha256_s"] = time.perf_counter() - t
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    for i, data in enumerate(tars):
+        write_atomic(out / f"shard-{i:06d}.tar", data)
+    parts["file_writes_s"] = time.perf_counter() - t
+    return parts
+
+
+# --- main ----------------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a 6 MB corpus, one repetition")
+    ap.add_argument("--corpus-mb", type=float, default=None, help="embedded corpus size (default 24, quick 6)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per side and task count, best kept (2, quick 1)")
+    ap.add_argument("--config", default=None, help="use this config's data.input and data.tokenizer")
+    ap.add_argument("overrides", nargs="*", help="config overrides (key=value), with --config")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 2)
+    cfg_path = args.config or str(ROOT / "configs" / "tiny_prism.yaml")
+    say(
+        f"{PROG}: tokens/s of prism prepare end to end and in its tasks vs raw encode_batch, tasks {TASKS}, "
+        f"best of {repeats}; then where the time goes"
+    )
 
     from data_prep.build import prepare_inputs
     from pipeline import config
+    from pipeline.config import ConfigError
 
-    logger.remove()  # per-task logs would dominate the output; they still go to the logging dir
-    cfg_path = argv[0] if argv else str(ROOT / "configs" / "tiny_prism.yaml")
-    overrides = argv[1:]
-    if not argv:
-        from data_prep.corpus import build_embedded_corpus
-
-        corpus = ROOT / "runs" / "data" / "bench-corpus-24mb"
-        if not corpus.exists():
-            build_embedded_corpus(corpus, max_bytes=24_000_000, num_files=8)
-        overrides = [f"data.input={corpus}", "data.input_format=parquet"]
-    cfg = config.load(cfg_path, overrides)
-    tokenizer_path = prepare_inputs(cfg)  # builds the embedded corpus / tokenizer if missing
+    quiet_datatrove()
+    overrides = list(args.overrides)
+    if args.config is None:
+        corpus = embedded_corpus(args.corpus_mb or (6 if args.quick else 24))
+        overrides = [f"data.input={corpus}", "data.input_format=parquet", f"data.tokenizer={bpe_tokenizer(corpus)}"]
+    try:
+        cfg = config.load(cfg_path, overrides)
+        tokenizer_path = prepare_inputs(cfg)  # the embedded format builds its corpus / tokenizer when missing
+    except ConfigError as e:
+        refuse(PROG, str(e))
     files = sorted(Path(cfg.data.input).glob("**/*.parquet"))
-    print(
-        f"corpus: {len(files)} parquet files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; "
-        f"tokenizer {tokenizer_path}; {mp.cpu_count()} CPUs"
+    if not files:
+        refuse(PROG, f"data.input={cfg.data.input}: no parquet files; point --config / data.input at some")
+    say(
+        f"corpus: {len(files)} parquet files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB; tokenizer "
+        f"{tokenizer_path}; {len(os.sched_getaffinity(0))} CPUs"
     )
-    results = {}
+    fields: dict = {"cpus": len(os.sched_getaffinity(0)), "repeats": repeats}
     tmp = Path(tempfile.mkdtemp(prefix="bench_tokenize-"))
     try:
-        for tasks in (1, 2):
-            # Alternate the two sides and keep each one's best of REPEATS: the machine is shared and noisy.
-            raw = pipe = steady = 0.0
-            for rep in range(REPEATS):
-                raw = max(raw, raw_tokens_per_sec(tokenizer_path, files, tasks, cfg.data.text_key))
-                p, s, tokens = pipeline_tokens_per_sec(cfg_path, overrides, tasks, tmp / f"ds{tasks}-{rep}")
-                pipe, steady = max(pipe, p), max(steady, s)
-            results[tasks] = pipe
+        for tasks in TASKS:
+            raw, best = 0.0, None
+            for rep in range(repeats):
+                raw = max(raw, raw_tokens_per_sec(tokenizer_path, files, tasks, cfg.data.text_key, 1000))
+                run = pipeline_run(cfg_path, overrides, tasks, tmp / f"ds{tasks}-{rep}")
+                if best is None or run["end_to_end_s"] < best["end_to_end_s"]:
+                    best = run
+                say(f"tasks={tasks}: repetition {rep + 1}/{repeats} done")
+            e2e = best["tokens"] / best["end_to_end_s"]
+            in_tasks = best["tokens"] / (best["task_reader_s"] + best["task_writer_s"])
+            fields[f"tasks{tasks}"] = {
+                "raw_tokens_per_s": round(raw),
+                "end_to_end_tokens_per_s": round(e2e),
+                "ratio_end_to_end": round(e2e / raw, 3),
+                "ratio_in_tasks": round(in_tasks / raw, 3),
+                **{k: round(v, 3) for k, v in best.items() if k.endswith("_s")},
+                "tokens": best["tokens"],
+            }
+            r = fields[f"tasks{tasks}"]
             print(
-                f"tasks={tasks}: raw encode_batch {raw:,.0f} tokens/s; pipeline end-to-end {pipe:,.0f} tokens/s, "
-                f"ratio {pipe / raw:.2f}; pipeline in tasks {steady:,.0f} tokens/s, ratio {steady / raw:.2f} "
-                f"(target >= 0.90; {tokens:,} tokens, best of {REPEATS})"
+                f"tasks={tasks}: raw encode_batch {raw:,.0f} tokens/s; pipeline end to end {e2e:,.0f} tokens/s, "
+                f"ratio {r['ratio_end_to_end']:.2f}; in tasks ratio {r['ratio_in_tasks']:.2f} (target >= 0.90; "
+                f"{best['tokens']:,} tokens)",
+                flush=True,
             )
+            print(
+                f"tasks={tasks}: seconds: start-up {r['startup_s']:.2f} (not in end to end) | end to end "
+                f"{r['end_to_end_s']:.2f} = checks {r['checks_s']:.2f} + pipeline construction "
+                f"{r['build_pipeline_s']:.2f} + executor {r['executor_s']:.2f} (slowest task: reader "
+                f"{r['task_reader_s']:.2f}, writer {r['task_writer_s']:.2f}; around the tasks "
+                f"{r['executor_overhead_s']:.2f}) + manifest {r['manifest_s']:.2f}",
+                flush=True,
+            )
+        fields["scaling_1_to_2_tasks"] = round(
+            fields["tasks2"]["end_to_end_tokens_per_s"] / fields["tasks1"]["end_to_end_tokens_per_s"], 3
+        )
+        print(f"scaling 1 -> 2 tasks (end to end): {fields['scaling_1_to_2_tasks']:.2f}x", flush=True)
+        say("writer parts, one at a time over the whole corpus in this process")
+        parts = writer_parts(config.load(cfg_path, overrides), tokenizer_path, tmp / "parts")
+        fields["writer_parts_s"] = {k: round(v, 3) for k, v in parts.items()}
+        print("writer parts (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in parts.items()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"scaling 1 -> 2 tasks (end-to-end): {results[2] / results[1]:.2f}x")
+    report(PROG, fields)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pipeline-once"]:
         _pipeline_once(sys.argv[2], sys.argv[3:])
     else:
-        main(sys.argv[1:])
+        main()

@@ -1,6 +1,6 @@
 """Trainer overhead and loader throughput, measured in one run.
 
-    python benchmarks/bench_train.py [CONFIG] [overrides ...]      # default configs/tiny_prism.yaml
+    python benchmarks/bench_train.py [--quick] [CONFIG] [overrides ...]   # default configs/tiny_prism.yaml
     python benchmarks/bench_train.py configs/tiny_prism.yaml data.dataset_dir=... data.tokenizer=... model.seq_len=128
 
 1. Step time of the real trainer (`pipeline.train.train`: DeepSpeed engine, loader, logging, signal
@@ -10,7 +10,9 @@
 2. The loader alone, pinned to one CPU core: tokens/s handed out (read + sha256 + tar parse + slicing +
    int64 conversion); target >= 20 M tokens/s.
 
-Needs a prepared dataset (`prism prepare CONFIG`).
+Without a data.dataset_dir override it builds the tiny dataset (benchmarks/_common.py) in a temporary
+folder; with one, that folder must hold a prepared dataset (`prism prepare CONFIG`). --quick: 4 timed steps
+and 1 s of loader, well under a minute here.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, refuse, report, say, tiny_dataset
+
+PROG = "bench_train"
 
 
 def bench_loader(cfg, seconds: float) -> float:
@@ -84,28 +86,62 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", default=str(ROOT / "configs" / "tiny_prism.yaml"))
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    p.add_argument("--loader-seconds", type=float, default=5.0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the CI size: --steps 3 --warmup 1 --loader-seconds 1, one micro-batch a step",
+    )
+    p.add_argument("--steps", type=int, default=None, help="timed steps per side (default 12, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (2, quick 1)")
+    p.add_argument("--loader-seconds", type=float, default=None, help="loader timing (default 5, quick 1)")
     args = p.parse_args()
+    sizes = {"steps": (12, 3), "warmup": (2, 1), "loader_seconds": (5.0, 1.0)}
+    for key, (full, quick) in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
 
     from pipeline import config
+    from pipeline.config import ConfigError
 
+    say(
+        f"bench_train: median step time of prism train vs a bare PyTorch loop ({args.steps} steps after "
+        f"{args.warmup} warm-up), then the loader alone on one core ({args.loader_seconds:g} s)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        base = config.load(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if not any(o.startswith("data.dataset_dir=") for o in overrides):
+            overrides = tiny_dataset(Path(tmp) / "data") + overrides
+        try:
+            base = config.load(args.config, overrides)
+            if args.quick:  # one micro-batch per step: the trainer's overhead per step, at a size CI can afford
+                overrides.append(f"train.batch_tokens={base.model.seq_len * base.train.micro_batch_size}")
+                base = config.load(args.config, overrides)
+        except ConfigError as e:
+            refuse(PROG, str(e))
+        if not (Path(base.data.dataset_dir) / "manifest.json").is_file():
+            refuse(
+                PROG,
+                f"data.dataset_dir={base.data.dataset_dir}: no manifest.json; run `prism prepare {args.config}` with "
+                "the same overrides first, or leave data.dataset_dir out to use the tiny dataset",
+            )
         steps = args.steps + args.warmup
         ov = [
-            *args.overrides,
-            f"run.output_dir={tmp}",
+            *overrides,
+            f"run.output_dir={tmp}/run",
             "tracking.enabled=false",
             "train.log_every=1",
             f"train.train_tokens={steps * base.train.batch_tokens}",
             f"train.val_every={10 * steps}",
+            # the last step validates: one val shard's worth, not the preset's val_tokens
+            f"train.val_tokens={base.data.val_samples_per_shard * base.data.sequences_per_sample * base.model.seq_len}",
             f"checkpoint.every_steps={10 * steps}",
         ]
         cfg = config.load(args.config, ov)
+        say(f"prism train: {steps} steps of {cfg.train.batch_tokens} tokens ({cfg.train.precision})")
         trainer = trainer_step_times(cfg)[args.warmup :]
+        say(f"bare PyTorch loop: {steps} steps")
         bare = bare_step_times(cfg, steps)[args.warmup :]
+        say(f"loader on one core: {args.loader_seconds:g} s")
         loader_rate = bench_loader(cfg, args.loader_seconds)
     ratio = statistics.median(trainer) / statistics.median(bare)
     result = {
@@ -122,6 +158,7 @@ def main() -> None:
         "loader_target": ">= 20e6",
     }
     print(json.dumps(result, indent=1))
+    report(PROG, result)
 
 
 if __name__ == "__main__":

@@ -206,10 +206,10 @@ def write_errors(doing: str, where: Path, state: str, key: str = "data.dataset_d
 
 # --- executor ---------------------------------------------------------------------------------------------
 def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> list:
-    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+    from data_prep.readers import PrismJsonlReader, PrismParquetReader
 
     d = cfg.data
-    reader_cls = JsonlReader if d.input_format == "jsonl" else ParquetReader
+    reader_cls = PrismJsonlReader if d.input_format == "jsonl" else PrismParquetReader
     reader = reader_cls(
         d.input, limit=d.limit, text_key=d.text_key, id_key=d.id_key, glob_pattern=INPUT_GLOBS[d.input_format]
     )

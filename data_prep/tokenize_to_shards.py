@@ -109,7 +109,8 @@ class TokenizeToShards(PipelineStepWithTokenizer):
 
     name = "🧱 Tokenize + pack to webdataset shards"
     type = "✍️ - WRITER"
-    _requires_dependencies = ["tokenizers"]
+    # tokenizers is a Prism requirement: no scan of every installed distribution's metadata per process
+    _requires_dependencies: list[str] = []
 
     def __init__(
         self,
