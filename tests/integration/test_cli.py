@@ -13,13 +13,15 @@ VERBS = [
     "tracking",
     "compare",
     "eval",
+    "export",
+    "generate",
     "attention-distance",
     "sweep",
     "search",
     "study",
     "demo",
 ]
-HEAVY = ("torch", "megatron", "deepspeed", "mlflow", "datatrove", "lm_eval")
+HEAVY = ("torch", "megatron", "deepspeed", "mlflow", "datatrove", "lm_eval", "transformers")
 
 
 def prism(*args: str) -> subprocess.CompletedProcess:
