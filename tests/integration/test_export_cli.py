@@ -187,11 +187,19 @@ def test_bad_input_is_one_line_and_writes_nothing(exports, tiny_checkpoints, tmp
     shutil.copytree(tiny_checkpoints.uniform / "step-0000002", tag)
     (tag / "mp_rank_00_model_states.pt").unlink()
     assert "missing" in error_line(prism("export", str(tag), "--out", str(tmp_path / "b")), "export")
+    # a tag whose bytes no longer match its integrity record
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoints.uniform / "step-0000002", bad)
+    states = bad / "mp_rank_00_model_states.pt"
+    flipped = bytearray(states.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    states.write_bytes(bytes(flipped))
+    assert "sha256" in error_line(prism("export", str(bad), "--out", str(tmp_path / "d")), "export")
     # the tokenizer gone (neither the configured file nor the dataset manifest's)
     gone = [f"data.tokenizer={tmp_path / 'gone.json'}", f"data.dataset_dir={tmp_path / 'gone'}"]
     line = error_line(prism("export", str(tiny_checkpoints.uniform), *gone, "--out", str(tmp_path / "c")), "export")
     assert "data.tokenizer" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "tag"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "empty-run", "tag"]  # nothing half-written
 
 
 def val_loss_of_export(folder: Path, tag_dir: Path) -> float:
