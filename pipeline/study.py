@@ -38,7 +38,7 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def plan(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tuple[int, str, Any]]:
+def study_runs(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tuple[int, str, Any]]:
     """(seed, preset, Config) per run, seed-major; every run must log to one experiment and store."""
     from pipeline import config
     from pipeline.tracking.store import run_uri
@@ -67,7 +67,7 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs} must be >= 1")
     t0 = time.monotonic()
-    runs = plan(configs, seeds, overrides)
+    runs = study_runs(configs, seeds, overrides)
     cfg = runs[0][2]
     steps = cfg.steps(1)["total"]
     how = "one after another" if jobs == 1 else f"{jobs} at a time"

@@ -116,4 +116,4 @@ def test_study_sees_two_spellings_of_one_schedule_as_one_run(tmp_path):
         paths.append(tmp_path / f"arm{i}.yaml")
         paths[-1].write_text(f"base: {TINY}\nschedule:\n  heads: '{heads}'\n")
     with pytest.raises(ConfigError, match=r"two configs make the same run \(prism-tiny-s1\[3x2,6x2,12x4\]\)"):
-        study.plan([str(p) for p in paths], [1], [f"run.output_dir={tmp_path}"])
+        study.study_runs([str(p) for p in paths], [1], [f"run.output_dir={tmp_path}"])
