@@ -29,23 +29,11 @@ import submitit
 from pipeline import config, schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.grid import GridRun, expand_grid
 from pipeline.train import EXIT_STOPPED  # prism train: checkpointed after a stop signal
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_VALID = "all-valid"
-
-
-@dataclasses.dataclass(frozen=True)
-class GridPoint:
-    arm: str
-    scale: str
-    seed: int
-    schedule: str | None  # compact schedule, or None for the preset's own
-
-    @property
-    def label(self) -> str:
-        tail = f" {self.schedule}" if self.schedule else ""
-        return f"{self.arm}-{self.scale}-s{self.seed}{tail}"
 
 
 def preset_path(arm: str, scale: str) -> Path:
@@ -110,8 +98,9 @@ def build_grid(
     seeds: list[int],
     schedules: Any = None,
     overrides: dict[str, Any] | list[str] | None = None,
-) -> list[tuple[GridPoint, config.Config, list[str]]]:
-    """Every grid point with its validated config and the overrides that reproduce it from the preset."""
+) -> list[GridRun]:
+    """Every grid point (arm, scale, seed, schedule) as a run of pipeline.grid: its preset, the overrides that
+    make it, its validated config."""
     for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
         if not values:
             raise ConfigError(f"sweep: {key} is empty; give at least one value")
@@ -119,15 +108,7 @@ def build_grid(
     grid = []
     for arm, scale in itertools.product(arms, scales):
         per_arm = expand_schedules(schedules, arm, scale, base_overrides)
-        for seed, sched in itertools.product(seeds, per_arm):
-            point = GridPoint(arm, scale, int(seed), sched)
-            extra = [f"run.seed={int(seed)}"]
-            if sched is not None:
-                # The run name is {arm}-{scale}-s{seed} for every schedule: give each its own run folder.
-                out = config.load(preset_path(arm, scale), base_overrides).run.output_dir
-                extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
-            ov = base_overrides + extra
-            grid.append((point, config.load(preset_path(arm, scale), ov), ov))
+        grid += expand_grid([preset_path(arm, scale)], [int(s) for s in seeds], per_arm, base_overrides)
     return grid
 
 
@@ -221,7 +202,7 @@ def _gpus_on_node() -> int:
 class Sweep:
     folder: Path
     manifest_path: Path
-    points: list[GridPoint]
+    points: list[GridRun]
     jobs: list[Any]
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> list[Any]:
@@ -315,8 +296,8 @@ def submit(
     grace = max(30, int(executor_params.get("signal_delay_s", 180)) - 30)
     jobs = []
     with ex.batch():  # one sbatch --array for the whole grid
-        for _, cfg, ov in grid:
-            jobs.append(ex.submit(TrainJob(str(preset_path(cfg.run.arm, cfg.run.scale)), ov, nproc_per_node, grace)))
+        for run in grid:
+            jobs.append(ex.submit(TrainJob(run.config_path, run.overrides, nproc_per_node, grace)))
     manifest = {
         "name": name,
         "executor": executor,
@@ -324,24 +305,24 @@ def submit(
         "folder": str(folder),
         "jobs": [
             {
-                "arm": p.arm,
-                "scale": p.scale,
-                "seed": p.seed,
-                "schedule": schedule.compact(cfg.heads_per_layer),
+                "arm": run.cfg.run.arm,
+                "scale": run.cfg.run.scale,
+                "seed": run.cfg.run.seed,
+                "schedule": schedule.compact(run.cfg.heads_per_layer),
                 "job_id": str(job.job_id),
-                "run_name": cfg.run_name,
-                "experiment": cfg.experiment,
-                "tracking_uri": cfg.tracking.uri,
-                "run_dir": str(cfg.run_dir),
-                "config": str(preset_path(p.arm, p.scale)),
-                "overrides": ov,
+                "run_name": run.name,
+                "experiment": run.cfg.experiment,
+                "tracking_uri": run.cfg.tracking.uri,
+                "run_dir": str(run.run_dir),
+                "config": run.config_path,
+                "overrides": list(run.overrides),
             }
-            for (p, cfg, ov), job in zip(grid, jobs)
+            for run, job in zip(grid, jobs)
         ],
     }
     manifest_path = folder / "sweep.json"
     write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
-    return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
+    return Sweep(folder, manifest_path, grid, jobs)
 
 
 SPEC_KEYS = (
@@ -487,17 +468,18 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     return spec
 
 
-def grid_of_spec(spec: dict[str, Any]) -> list[tuple[GridPoint, config.Config, list[str]]]:
+def grid_of_spec(spec: dict[str, Any]) -> list[GridRun]:
     """The grid a sweep spec (from ``load_spec``) describes."""
     return build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
 
 
-def grid_table(grid: list[tuple[GridPoint, config.Config, list[str]]]) -> str:
+def grid_table(grid: list[GridRun]) -> str:
     """One line per grid point (what a dry run prints) and the job count."""
     rows = [f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name"]
-    for i, (p, cfg, _) in enumerate(grid):
+    for i, run in enumerate(grid):
+        r = run.cfg.run
         rows.append(
-            f"{i:>4}  {p.arm:<8} {p.scale:<6} {p.seed:>6}  {schedule.compact(cfg.heads_per_layer)}  -> {cfg.run_name}"
+            f"{i:>4}  {r.arm:<8} {r.scale:<6} {r.seed:>6}  {schedule.compact(run.cfg.heads_per_layer)}  -> {run.name}"
         )
     rows.append(f"jobs: {len(grid)}")
     return "\n".join(rows)

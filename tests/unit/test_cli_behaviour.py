@@ -66,7 +66,7 @@ def test_study_seeds_and_runs():
         with pytest.raises(ConfigError):
             parse_seeds(bad)
     runs = study_runs([str(ROOT / "configs/tiny_uniform.yaml"), str(ROOT / "configs/tiny_prism.yaml")], [1, 2], [])
-    assert [(seed, c.run_name) for seed, _, c in runs] == [
+    assert [(r.cfg.run.seed, r.name) for r in runs] == [
         (1, "uniform-tiny-s1"),
         (1, "prism-tiny-s1"),
         (2, "uniform-tiny-s2"),
