@@ -29,8 +29,8 @@ import submitit
 from pipeline import config, schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.exit_codes import EXIT_STOPPED
 from pipeline.grid import GridRun, expand_grid
-from pipeline.train import EXIT_STOPPED  # prism train: checkpointed after a stop signal
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_VALID = "all-valid"

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.console import duration
+
 ARMS = ("uniform", "prism")
 # Keys both arms must share for the comparison to mean anything (the schedule is what differs).
 SHARED_KEYS = ("run.seed", "train", "data", "model.seq_len", "model.num_layers", "model.d_model")
@@ -103,13 +105,14 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
         if done:
             say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
             continue
-        say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]")
+        so_far = duration(time.monotonic() - t0)
+        say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{so_far} so far]")
         todo[arm] = runs[arm].train_command()
     rc = train_arms(todo, cfg, t0)
     if rc != 0:
         return rc
 
-    say(f"[4/4] compare  [{elapsed(t0)} so far]")
+    say(f"[4/4] compare  [{duration(time.monotonic() - t0)} so far]")
     from pipeline.compare import compare_arms
 
     uri = run_uri(cfg)
@@ -136,7 +139,7 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     from pipeline.export.generate import demo_continuations
 
     print(f"\n{demo_continuations({arm: cfgs[arm].checkpoint_dir for arm in ARMS})}")
-    say(f"prism demo: done in {elapsed(t0)}")
+    say(f"prism demo: done in {duration(time.monotonic() - t0)}")
     return 0
 
 
@@ -222,8 +225,6 @@ class ArmTiming:
                 return
             self.said = True
             seconds = self.remaining_seconds(timed)
-        from pipeline.console import duration
-
         say(
             f"prism demo: estimate from the first steps: training done in about {duration(seconds)}, the demo "
             f"in about {duration(time.monotonic() - self.t0 + seconds)} in all"
@@ -244,8 +245,3 @@ class ArmTiming:
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def elapsed(t0: float) -> str:
-    s = int(time.monotonic() - t0)
-    return f"{s // 60} min {s % 60:02d} s"

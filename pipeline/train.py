@@ -39,9 +39,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
-
-# Exit codes of `prism train` (launchers/sweep.py reads them; bad input exits 2 through the CLI)
-EXIT_FINISHED, EXIT_STOPPED, EXIT_NONFINITE = 0, 3, 4
+from pipeline.exit_codes import EXIT_FINISHED, EXIT_NONFINITE, EXIT_STOPPED
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
