@@ -7,8 +7,12 @@ Read it bottom up: `train` refuses bad input and decides where to resume (pipeli
 the Run (data, model, engine, initial weights, tracker), `loop` trains it, `finish` closes it. In the loop,
 `train_step` is one optimizer step, `step_actions` says what else the step does (sync, validate, log,
 checkpoint) and `log_step` writes one log line. Process groups and collectives are in pipeline.distributed,
-what a checkpoint holds in pipeline.checkpoint. The module is longer than most because the engine the loop
-drives (optimizer, DeepSpeed config) lives here too: benchmarks profile and patch it under this name.
+what a checkpoint holds in pipeline.checkpoint.
+
+Why it is over 400 lines: it is one job, the training path from refusing bad input to the final summary,
+and the engine the loop drives (AdamW, LR schedule, DeepSpeed config: about 90 lines) stays beside the step
+that uses it, because benchmarks/bench_arms.py patches `train_step` here and reads the optimizer line from
+this module's logger.
 """
 
 from __future__ import annotations
