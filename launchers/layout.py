@@ -13,6 +13,7 @@ import sys
 
 from pipeline import config
 from pipeline.config import ConfigError
+from pipeline.exit_codes import EXIT_BAD_INPUT
 
 
 def describe(nodes: int, procs_per_node: int, cfg: config.Config) -> str:
@@ -31,23 +32,23 @@ def describe(nodes: int, procs_per_node: int, cfg: config.Config) -> str:
             f"use a multiple or a divisor of {tp} processes per node"
         )
     dp = world // tp
-    plan = cfg.steps(dp)  # refuses a batch that does not split over DP
+    steps = cfg.steps(dp)  # refuses a batch that does not split over DP
     return (
         f"layout: {nodes} node(s) x {procs_per_node} proc(s) = world {world} = TP {tp} x DP {dp}, "
-        f"{plan['total']} steps, grad_accum {plan['grad_accum']}"
+        f"{steps['total']} steps, grad_accum {steps['grad_accum']}"
     )
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or not (argv[0].isdigit() and argv[1].isdigit()) or min(int(argv[0]), int(argv[1])) < 1:
         print("layout: usage: python -m launchers.layout NODES PROCS_PER_NODE CONFIG [overrides...]", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         cfg = config.load(argv[2], argv[3:])
         print(describe(int(argv[0]), int(argv[1]), cfg), flush=True)
     except ConfigError as e:
         print(f"layout: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -9,6 +9,8 @@ The grid goes out as one job array (`executor.batch()`). Each job is a submitit 
 pre-timeout/preemption signal it asks its `prism train` processes to checkpoint, then returns a
 DelayedSubmission, so submitit requeues it and the requeued job resumes from `latest`. Inside a job, one
 task per node starts `torchrun` with the layout from `submitit.helpers.TorchDistributedEnvironment`.
+The runs are pipeline.grid's; the spec file reader (line and column of a bad field) is launchers.spec, which
+`prism search` shares.
 """
 
 from __future__ import annotations
@@ -26,26 +28,15 @@ from typing import Any
 
 import submitit
 
+from launchers.spec import SpecFile, check_slurm_section, is_int
 from pipeline import config, schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
-from pipeline.train import EXIT_STOPPED  # prism train: checkpointed after a stop signal
+from pipeline.exit_codes import EXIT_STOPPED
+from pipeline.grid import GridRun, expand_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_VALID = "all-valid"
-
-
-@dataclasses.dataclass(frozen=True)
-class GridPoint:
-    arm: str
-    scale: str
-    seed: int
-    schedule: str | None  # compact schedule, or None for the preset's own
-
-    @property
-    def label(self) -> str:
-        tail = f" {self.schedule}" if self.schedule else ""
-        return f"{self.arm}-{self.scale}-s{self.seed}{tail}"
 
 
 def preset_path(arm: str, scale: str) -> Path:
@@ -110,8 +101,9 @@ def build_grid(
     seeds: list[int],
     schedules: Any = None,
     overrides: dict[str, Any] | list[str] | None = None,
-) -> list[tuple[GridPoint, config.Config, list[str]]]:
-    """Every grid point with its validated config and the overrides that reproduce it from the preset."""
+) -> list[GridRun]:
+    """Every grid point (arm, scale, seed, schedule) as a run of pipeline.grid: its preset, the overrides that
+    make it, its validated config."""
     for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
         if not values:
             raise ConfigError(f"sweep: {key} is empty; give at least one value")
@@ -119,15 +111,7 @@ def build_grid(
     grid = []
     for arm, scale in itertools.product(arms, scales):
         per_arm = expand_schedules(schedules, arm, scale, base_overrides)
-        for seed, sched in itertools.product(seeds, per_arm):
-            point = GridPoint(arm, scale, int(seed), sched)
-            extra = [f"run.seed={int(seed)}"]
-            if sched is not None:
-                # The run name is {arm}-{scale}-s{seed} for every schedule: give each its own run folder.
-                out = config.load(preset_path(arm, scale), base_overrides).run.output_dir
-                extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
-            ov = base_overrides + extra
-            grid.append((point, config.load(preset_path(arm, scale), ov), ov))
+        grid += expand_grid([preset_path(arm, scale)], [int(s) for s in seeds], per_arm, base_overrides)
     return grid
 
 
@@ -221,7 +205,7 @@ def _gpus_on_node() -> int:
 class Sweep:
     folder: Path
     manifest_path: Path
-    points: list[GridPoint]
+    points: list[GridRun]
     jobs: list[Any]
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> list[Any]:
@@ -315,8 +299,8 @@ def submit(
     grace = max(30, int(executor_params.get("signal_delay_s", 180)) - 30)
     jobs = []
     with ex.batch():  # one sbatch --array for the whole grid
-        for _, cfg, ov in grid:
-            jobs.append(ex.submit(TrainJob(str(preset_path(cfg.run.arm, cfg.run.scale)), ov, nproc_per_node, grace)))
+        for run in grid:
+            jobs.append(ex.submit(TrainJob(run.config_path, run.overrides, nproc_per_node, grace)))
     manifest = {
         "name": name,
         "executor": executor,
@@ -324,24 +308,24 @@ def submit(
         "folder": str(folder),
         "jobs": [
             {
-                "arm": p.arm,
-                "scale": p.scale,
-                "seed": p.seed,
-                "schedule": schedule.compact(cfg.heads_per_layer),
+                "arm": run.cfg.run.arm,
+                "scale": run.cfg.run.scale,
+                "seed": run.cfg.run.seed,
+                "schedule": schedule.compact(run.cfg.heads_per_layer),
                 "job_id": str(job.job_id),
-                "run_name": cfg.run_name,
-                "experiment": cfg.experiment,
-                "tracking_uri": cfg.tracking.uri,
-                "run_dir": str(cfg.run_dir),
-                "config": str(preset_path(p.arm, p.scale)),
-                "overrides": ov,
+                "run_name": run.name,
+                "experiment": run.cfg.experiment,
+                "tracking_uri": run.cfg.tracking.uri,
+                "run_dir": str(run.run_dir),
+                "config": run.config_path,
+                "overrides": list(run.overrides),
             }
-            for (p, cfg, ov), job in zip(grid, jobs)
+            for run, job in zip(grid, jobs)
         ],
     }
     manifest_path = folder / "sweep.json"
     write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
-    return Sweep(folder, manifest_path, [p for p, _, _ in grid], jobs)
+    return Sweep(folder, manifest_path, grid, jobs)
 
 
 SPEC_KEYS = (
@@ -356,95 +340,6 @@ SPEC_KEYS = (
     "nproc_per_node",
     "slurm",
 )
-SLURM_INT_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "timeout_min", "signal_delay_s", "array_parallelism")
-SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")
-
-
-class SpecFile:
-    """A YAML spec (a sweep's, a search's) read with the line and column of every value, so that a bad field
-    is one line saying where it is: ``spec.yaml:7:10: slurm.nodes=0: must be a positive integer``."""
-
-    def __init__(self, path: str | Path, kind: str, keys: tuple[str, ...]):
-        import yaml
-
-        self.path, self.kind = Path(path), kind
-        if not self.path.is_file():
-            raise ConfigError(f"{self.path}: {kind} not found")
-        try:
-            text = self.path.read_text()
-            data = yaml.safe_load(text) or {}
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-            what = getattr(e, "problem", None) or type(e).__name__
-            raise ConfigError(f"{self.path}: not valid YAML{at}: {what}; fix the syntax there") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{self.path}: cannot read the {kind}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{self.path}: a {kind} is a mapping of {', '.join(keys)}; got {type(data).__name__}")
-        self.data: dict[str, Any] = data
-        self.marks: dict[str, tuple[int, int]] = {}  # dotted key -> (line, column) of its value, 1-based
-        self._mark(root, "")
-        unknown = sorted(str(k) for k in data if k not in keys)
-        if unknown:
-            raise self.error(unknown[0], f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(keys))}", at_key=True)
-
-    def _mark(self, node: Any, prefix: str) -> None:
-        import yaml
-
-        if not isinstance(node, yaml.MappingNode):
-            return
-        for key_node, value_node in node.value:
-            dotted = f"{prefix}{key_node.value}"
-            self.marks[dotted] = (value_node.start_mark.line + 1, value_node.start_mark.column + 1)
-            self.marks[f"{dotted} (key)"] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            self._mark(value_node, f"{dotted}.")
-
-    def value(self, key: str) -> Any:
-        """The value at a dotted key (``slurm.nodes``), None where it is absent."""
-        node: Any = self.data
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
-
-    def error(self, key: str, message: str, at_key: bool = False) -> ConfigError:
-        """``PATH:LINE:COL: message``, at the key's value (or at the key itself), the closest known place."""
-        probe = key
-        while probe and f"{probe} (key)" not in self.marks:
-            probe = probe.rpartition(".")[0]
-        line, col = self.marks.get(f"{probe} (key)" if at_key else probe, (0, 0)) if probe else (0, 0)
-        at = f":{line}:{col}" if line else ""
-        return ConfigError(f"{self.path}{at}: {message}")
-
-    def bad(self, key: str, want: str) -> ConfigError:
-        """``PATH:LINE:COL: key=value: what is wanted``."""
-        return self.error(key, f"{key}={self.value(key)!r}: {want}")
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_slurm_section(spec: SpecFile) -> None:
-    """The ``slurm:`` mapping of a spec: make_executor's settings, each checked (sweeps and searches)."""
-    slurm = spec.data.get("slurm")
-    if slurm is None:
-        return
-    if not isinstance(slurm, dict):
-        raise spec.bad("slurm", f"must be a mapping of {', '.join(SLURM_KEYS)}")
-    unknown = sorted(str(k) for k in slurm if k not in SLURM_KEYS)
-    if unknown:
-        raise spec.error(
-            f"slurm.{unknown[0]}", f"unknown key slurm.{unknown[0]}; allowed: {', '.join(SLURM_KEYS)}", at_key=True
-        )
-    for key in SLURM_INT_KEYS:
-        if key in slurm and not (is_int(slurm[key]) and slurm[key] >= (0 if key == "gpus_per_node" else 1)):
-            raise spec.bad(f"slurm.{key}", "must be a positive integer")
-    if "partition" in slurm and not isinstance(slurm["partition"], str):
-        raise spec.bad("slurm.partition", "must be a partition name")
-    if "additional_parameters" in slurm and not isinstance(slurm["additional_parameters"], dict):
-        raise spec.bad("slurm.additional_parameters", "must be a mapping of sbatch options")
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
@@ -487,17 +382,18 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     return spec
 
 
-def grid_of_spec(spec: dict[str, Any]) -> list[tuple[GridPoint, config.Config, list[str]]]:
+def grid_of_spec(spec: dict[str, Any]) -> list[GridRun]:
     """The grid a sweep spec (from ``load_spec``) describes."""
     return build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
 
 
-def grid_table(grid: list[tuple[GridPoint, config.Config, list[str]]]) -> str:
+def grid_table(grid: list[GridRun]) -> str:
     """One line per grid point (what a dry run prints) and the job count."""
     rows = [f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name"]
-    for i, (p, cfg, _) in enumerate(grid):
+    for i, run in enumerate(grid):
+        r = run.cfg.run
         rows.append(
-            f"{i:>4}  {p.arm:<8} {p.scale:<6} {p.seed:>6}  {schedule.compact(cfg.heads_per_layer)}  -> {cfg.run_name}"
+            f"{i:>4}  {r.arm:<8} {r.scale:<6} {r.seed:>6}  {schedule.compact(run.cfg.heads_per_layer)}  -> {run.name}"
         )
     rows.append(f"jobs: {len(grid)}")
     return "\n".join(rows)

@@ -24,8 +24,9 @@
 # CPU-only cluster (how the tests run the tiny preset):
 #   SBATCH_GPUS_PER_NODE=0 PRISM_CONFIG=configs/tiny_prism.yaml sbatch launchers/prism_757m.sbatch
 #
-# Exit/requeue contract: `prism train` exits 0 when the token budget is done (no requeue), 3 after a
-# checkpoint forced by SIGTERM/SIGUSR1/SIGUSR2 (requeue), 4 on NaN/inf (no requeue), 2 on bad input.
+# Exit/requeue contract (the numbers are pipeline/exit_codes.py's): `prism train` exits 0 when the token
+# budget is done (no requeue), 3 after a checkpoint forced by SIGTERM/SIGUSR1/SIGUSR2 (requeue), 4 on NaN/inf
+# (no requeue), 2 on bad input.
 # torchrun's own status says little (a signal sent to the step, `scancel --signal=USR1 JOB`, kills it with
 # 138 after the workers checkpointed), so rank 0 also writes an exit record (PRISM_EXIT_FILE: "signal STEP",
 # "finished STEP" or "nonfinite STEP") and that decides: signal -> requeue, finished -> done (also when a

@@ -257,10 +257,10 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
     """The one resume policy, decided before any weights load; refuses in one line naming the key:
     - a change of the model or the data (config.MODEL_OR_DATA_KEYS; the layer spec included);
     - a change of tensor-parallel size (weights and optimizer state are split per TP rank);
-    - a change of the training plan (config.PLAN_KEYS) unless checkpoint.allow_changes names it;
+    - a change of the training recipe (config.RECIPE_KEYS) unless checkpoint.allow_changes names it;
     - a change of data-parallel size ``saved_dp`` -> ``dp`` unless the ZeRO stage is in ELASTIC_ZERO_STAGES
       (``dp`` None: nothing will train here, e.g. the run is finished; ``saved_dp`` None: not recorded)."""
-    from pipeline.config import PLAN_KEYS
+    from pipeline.config import RECIPE_KEYS
 
     saved_path = config_file(tag_dir)
     try:
@@ -288,7 +288,7 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
     allowed = set(cfg.checkpoint.allow_changes)
     plan = [
         k
-        for k in changed_keys(saved, now, scope=PLAN_KEYS)
+        for k in changed_keys(saved, now, scope=RECIPE_KEYS)
         if not any(k == a or k.startswith(a + ".") for a in allowed)
     ]
     if plan:

@@ -12,6 +12,10 @@ token grid, the paper's Fig. 3a), and logs them as artifacts of a run tagged ``k
 
 A metric logged twice at one step (a resume replays steps after the last checkpoint) counts once: the
 value with the latest timestamp wins. Never imports the training loop.
+
+Why one module of ~480 lines: it is one job, read -> summarize -> table/CSV -> plots -> log, each stage a few
+short functions over the same RunSeries, and every reader (`prism compare`, study, demo, search) wants the
+whole chain through `compare_arms`; split up, the stages would only pass RunSeries across files.
 """
 
 from __future__ import annotations

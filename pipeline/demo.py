@@ -13,10 +13,11 @@ import math
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+
+from pipeline.console import duration
 
 ARMS = ("uniform", "prism")
 # Keys both arms must share for the comparison to mean anything (the schedule is what differs).
@@ -51,26 +52,6 @@ def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
     return entropy, cross, int(train.sum())
 
 
-def finished_run(cfg) -> str | None:
-    """Run id of an already FINISHED MLflow run of exactly this config, if the store has one."""
-    from pipeline.tracking import store
-
-    uri = store.run_uri(cfg)
-    if not store.store_exists(uri):
-        return None
-    client = store.client(uri)
-    exp = client.get_experiment_by_name(cfg.experiment)
-    if exp is None:
-        return None
-    found = client.search_runs(
-        [exp.experiment_id],
-        filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = "
-        f"'FINISHED' and tags.config_hash = '{cfg.hash()}'",
-        max_results=1,
-    )
-    return found[0].info.run_id if found else None
-
-
 def find_presets(preset_dir: str | Path | None = None) -> Path:
     """The folder with tiny_{uniform,prism}.yaml: the one given, else ./configs, else configs/ beside the
     package (a checkout or an editable install), so `prism demo` runs from any directory."""
@@ -86,13 +67,14 @@ def find_presets(preset_dir: str | Path | None = None) -> Path:
 
 def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
-    from pipeline import config
     from pipeline.config import ConfigError, changed_keys
+    from pipeline.grid import expand_grid, finished_run_ids
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
-    presets = {arm: str(find_presets(preset_dir) / f"tiny_{arm}.yaml") for arm in ARMS}
-    cfgs = {arm: config.load(path, overrides) for arm, path in presets.items()}
+    folder = find_presets(preset_dir)
+    runs = dict(zip(ARMS, expand_grid([folder / f"tiny_{arm}.yaml" for arm in ARMS], overrides=overrides)))
+    cfgs = {arm: run.cfg for arm, run in runs.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
     if differ:
         raise ConfigError(f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}")
@@ -118,19 +100,19 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     manifest = prepare(cfg)
 
     todo: dict[str, list[str]] = {}
-    for i, arm in enumerate(ARMS, start=2):
+    for i, (arm, done) in enumerate(zip(ARMS, finished_run_ids(list(cfgs.values()))), start=2):
         c = cfgs[arm]
-        done = finished_run(c)
         if done:
             say(f"[{i}/4] train {c.run_name}: already finished (MLflow run {done}); skipping")
             continue
-        say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{elapsed(t0)} so far]")
-        todo[arm] = [sys.executable, "-m", "pipeline.cli", "train", presets[arm], *overrides]
+        so_far = duration(time.monotonic() - t0)
+        say(f"[{i}/4] train {c.run_name} (schedule {c.schedule.heads}) -> {c.run_dir}  [{so_far} so far]")
+        todo[arm] = runs[arm].train_command()
     rc = train_arms(todo, cfg, t0)
     if rc != 0:
         return rc
 
-    say(f"[4/4] compare  [{elapsed(t0)} so far]")
+    say(f"[4/4] compare  [{duration(time.monotonic() - t0)} so far]")
     from pipeline.compare import compare_arms
 
     uri = run_uri(cfg)
@@ -157,7 +139,7 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     from pipeline.export.generate import demo_continuations
 
     print(f"\n{demo_continuations({arm: cfgs[arm].checkpoint_dir for arm in ARMS})}")
-    say(f"prism demo: done in {elapsed(t0)}")
+    say(f"prism demo: done in {duration(time.monotonic() - t0)}")
     return 0
 
 
@@ -243,8 +225,6 @@ class ArmTiming:
                 return
             self.said = True
             seconds = self.remaining_seconds(timed)
-        from pipeline.console import duration
-
         say(
             f"prism demo: estimate from the first steps: training done in about {duration(seconds)}, the demo "
             f"in about {duration(time.monotonic() - self.t0 + seconds)} in all"
@@ -265,8 +245,3 @@ class ArmTiming:
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def elapsed(t0: float) -> str:
-    s = int(time.monotonic() - t0)
-    return f"{s // 60} min {s % 60:02d} s"

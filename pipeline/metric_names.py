@@ -5,7 +5,7 @@ One prefix per kind, so MLflow's chart view files each kind in its own section:
     val/    held-out loss
     perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb
     eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
-The data plan of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
+The data budget of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
 (Tracker.log_params), not here; runs logged before kept it as metrics, which nothing reads.
 
 Readers of old runs (`prism compare`) look a name up here: OLD_NAMES maps each renamed metric to the name it

@@ -353,13 +353,13 @@ def expected_tokens(spec: SearchSpec) -> int:
 
 
 def dry_run(spec: SearchSpec, mfu: float = 0.4, peak_flops: float | None = None) -> str:
-    from pipeline.plan import make_plan
+    from pipeline.budget import make_budget
 
     r, base = spec.rungs, spec.base
     cfg = config.load(spec.config_path, trial_overrides(spec, 0, spec.schedules[0], None))
     nodes = int(spec.slurm.get("nodes", 1))
     gpus = int(spec.slurm.get("gpus_per_node", 1)) or 1
-    plan = make_plan(cfg, nodes, gpus, mfu, peak_flops)
+    plan = make_budget(cfg, nodes, gpus, mfu, peak_flops)
     search = expected_tokens(spec)
     grid = len(spec.schedules) * r.full_tokens
     confirm_runs = (spec.confirm_top_k + 1) * spec.confirm_seeds

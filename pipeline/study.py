@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError
 from pipeline.console import duration
+from pipeline.grid import GridRun, expand_grid, finished_run_ids
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -38,17 +38,16 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def plan(configs: list[str], seeds: list[int], overrides: list[str]) -> list[tuple[int, str, Any]]:
-    """(seed, preset, Config) per run, seed-major; every run must log to one experiment and store."""
-    from pipeline import config
+def study_runs(configs: list[str], seeds: list[int], overrides: list[str]) -> list[GridRun]:
+    """Every (seed, config) run, seed-major; every run must log to one experiment and store."""
     from pipeline.tracking.store import run_uri
 
-    runs = [(seed, path, config.load(path, [*overrides, f"run.seed={seed}"])) for seed in seeds for path in configs]
-    places = {(c.experiment, run_uri(c)) for _, _, c in runs}
+    runs = expand_grid(configs, seeds, overrides=overrides)
+    places = {(r.cfg.experiment, run_uri(r.cfg)) for r in runs}
     if len(places) > 1:
         listed = "; ".join(f"{e} in {u}" for e, u in sorted(places))
         raise ConfigError(f"the configs log to different experiments or stores ({listed}); give them one scale")
-    names = [c.run_name + ("" if c.run.arm == "uniform" else f"[{c.schedule.heads}]") for _, _, c in runs]
+    names = [r.name + ("" if r.cfg.run.arm == "uniform" else f"[{r.cfg.schedule.heads}]") for r in runs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"two configs make the same run ({', '.join(dup)}); list each config once")
@@ -61,14 +60,13 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     ``jobs`` > 1 runs that many at once (each one's console in <output_dir>/logs/<run name>.log): faster on a
     machine with spare cores, and the comparison then notes that their tokens/s shared the machine."""
     from pipeline.compare import compare_arms
-    from pipeline.demo import finished_run
     from pipeline.tracking.store import run_uri
 
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs} must be >= 1")
     t0 = time.monotonic()
-    runs = plan(configs, seeds, overrides)
-    cfg = runs[0][2]
+    runs = study_runs(configs, seeds, overrides)
+    cfg = runs[0].cfg
     steps = cfg.steps(1)["total"]
     how = "one after another" if jobs == 1 else f"{jobs} at a time"
     print(
@@ -78,8 +76,8 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     )
     from data_prep.build import prepare
 
-    for dataset_dir in sorted({c.data.dataset_dir for _, _, c in runs}):  # builds, resumes or reuses it
-        prepare(next(c for _, _, c in runs if c.data.dataset_dir == dataset_dir))
+    for dataset_dir in sorted({r.cfg.data.dataset_dir for r in runs}):  # builds, resumes or reuses it
+        prepare(next(r.cfg for r in runs if r.cfg.data.dataset_dir == dataset_dir))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if jobs > 1 and "OMP_NUM_THREADS" not in env:  # share the cores instead of each run taking all of them
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
@@ -101,8 +99,9 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
                 if rc != 0:
                     failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
 
-    for i, (seed, path, c) in enumerate(runs, start=1):
-        done = finished_run(c)
+    finished = finished_run_ids([r.cfg for r in runs])
+    for i, (run, done) in enumerate(zip(runs, finished), start=1):
+        c = run.cfg
         head = f"[{i}/{len(runs)}] {c.run_name} (schedule {c.schedule.heads})"
         if done:
             print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
@@ -110,7 +109,7 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
         while len(running) >= jobs:
             reap(block=False)
             time.sleep(1.0)
-        cmd = [sys.executable, "-m", "pipeline.cli", "train", path, *overrides, f"run.seed={seed}"]
+        cmd = run.train_command()
         if jobs == 1:
             print(f"{head} -> {c.run_dir}  [{duration(time.monotonic() - t0)} so far]", flush=True)
             running.append((c.run_name, cmd, subprocess.Popen(cmd, env=env), None))

@@ -5,10 +5,14 @@
 
 Read it bottom up: `train` refuses bad input and decides where to resume (pipeline.checkpoint), `setup` builds
 the Run (data, model, engine, initial weights, tracker), `loop` trains it, `finish` closes it. In the loop,
-`train_step` is one optimizer step, `step_plan` says what else the step does (sync, validate, log,
+`train_step` is one optimizer step, `step_actions` says what else the step does (sync, validate, log,
 checkpoint) and `log_step` writes one log line. Process groups and collectives are in pipeline.distributed,
-what a checkpoint holds in pipeline.checkpoint. The module is longer than most because the engine the loop
-drives (optimizer, DeepSpeed config) lives here too: benchmarks profile and patch it under this name.
+what a checkpoint holds in pipeline.checkpoint.
+
+Why it is over 400 lines: it is one job, the training path from refusing bad input to the final summary,
+and the engine the loop drives (AdamW, LR schedule, DeepSpeed config: about 90 lines) stays beside the step
+that uses it, because benchmarks/bench_arms.py patches `train_step` here and reads the optimizer line from
+this module's logger.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import checkpoint, data, model_size
-from pipeline import plan as plan_lib
+from pipeline import budget, checkpoint, data, model_size
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.config import Config
@@ -40,9 +43,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
-
-# Exit codes of `prism train` (launchers/sweep.py reads them; bad input exits 2 through the CLI)
-EXIT_FINISHED, EXIT_STOPPED, EXIT_NONFINITE = 0, 3, 4
+from pipeline.exit_codes import EXIT_FINISHED, EXIT_NONFINITE, EXIT_STOPPED
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: 
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepActions:
     """What the loop does after one optimizer step; every flag implies ``sync``."""
 
     sync: bool  # read the loss and grad norm back to the host (the step's one device sync)
@@ -249,7 +250,7 @@ class StepPlan:
     checkpoint: bool
 
 
-def step_plan(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepPlan:
+def step_actions(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepActions:
     """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
     first step logs, the last does everything, a stop signal checkpoints; the others only read back on
     a sync step, so their losses stay on the device until then."""
@@ -257,7 +258,7 @@ def step_plan(cfg: Config, step: int, total_steps: int, stop: bool = False) -> S
     validate = step % t.val_every == 0 or last
     log = step == 1 or step % t.log_every == 0 or validate
     checkpoint = step % cfg.checkpoint.every_steps == 0 or last or stop
-    return StepPlan(sync=log or checkpoint, validate=validate, log=log, checkpoint=checkpoint)
+    return StepActions(sync=log or checkpoint, validate=validate, log=log, checkpoint=checkpoint)
 
 
 class UnreadSteps:
@@ -381,8 +382,8 @@ def check_data_before_start(cfg: Config, manifest: dict[str, Any], dp_size: int)
     shard: each rank a disjoint slice, every rank raises the first problem any rank found. Returns the epochs."""
     import torch.distributed as dist
 
-    epochs = plan_lib.check_epochs(cfg, manifest, dp_size)
-    if plan_lib.should_verify_on_start(cfg, manifest):
+    epochs = budget.check_epochs(cfg, manifest, dp_size)
+    if budget.should_verify_on_start(cfg, manifest):
         rank, world = dist.get_rank(), dist.get_world_size()
         entries = [(split, e) for split in manifest["splits"] for e in manifest["splits"][split]["shards"]]
         problem = None
@@ -481,9 +482,9 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
 
     tracker = make_tracker(cfg, dist.get_rank())
     state.run_id = tracker.start(cfg, run_id=state.run_id)
-    # the data plan of this start: constants, so params (not chart metrics)
+    # the data budget of this start: constants, so params (not chart metrics)
     tracker.log_params(
-        {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": plan_lib.tokens_per_epoch(manifest, dp_size)}
+        {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": budget.tokens_per_epoch(manifest, dp_size)}
     )
     run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
     ranks = topology()  # a collective: every rank
@@ -507,13 +508,13 @@ def loop(run: Run) -> int:
     recent: deque[float] = deque(maxlen=20)  # the last losses, for a NaN step's diagnostic
     stop_check = stop_agreement(run.stopper, run.device)
     unread = UnreadSteps()
-    plans = {step: step_plan(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
+    planned = {step: step_actions(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
     progress = Progress(
         run.total_steps,
         state.step,
         t.batch_tokens,
-        validation_steps=[s for s, p in plans.items() if p.validate],
-        checkpoint_steps=[s for s, p in plans.items() if p.checkpoint],
+        validation_steps=[s for s, a in planned.items() if a.validate],
+        checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
         validation_tokens=run.val_rows.shape[0] * cfg.model.seq_len,
     )
     while state.step < run.total_steps:
@@ -523,7 +524,7 @@ def loop(run: Run) -> int:
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
         stop = stop_check()
-        actions = step_plan(cfg, state.step, run.total_steps, stop)
+        actions = step_actions(cfg, state.step, run.total_steps, stop)
         if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
         if (bad := unread.read_back(recent)) is not None:  # the one host sync since the last sync step

@@ -28,6 +28,7 @@ from pipeline.cli import (
     train,
 )
 from pipeline.config import ConfigError
+from pipeline.exit_codes import EXIT_BAD_INPUT
 from pipeline.schedule import ScheduleError
 
 # The order `prism --help` lists them in: the study's stages, then the tools.
@@ -158,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
         except (ConfigError, ScheduleError) as e:  # bad input: one line, no traceback
             print(f"prism {args.verb}: error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT

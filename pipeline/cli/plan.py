@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
-    from pipeline.plan import format_plan, make_plan, plan_json, read_manifest_if_prepared
+    from pipeline.budget import budget_json, format_budget, make_budget, read_manifest_if_prepared
 
     cfg = config.load(args.config, args.overrides)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
@@ -43,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
             peak = PEAK_BF16_FLOPS[find_gpu(args.gpu)]
         except ValueError as e:
             raise config.ConfigError(str(e)) from None
-    plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.mfu, peak, read_manifest_if_prepared(cfg))
-    print(plan_json(plan) if args.json else format_plan(cfg, plan))
+    budget = make_budget(cfg, args.nodes, args.gpus_per_node, args.mfu, peak, read_manifest_if_prepared(cfg))
+    print(budget_json(budget) if args.json else format_budget(cfg, budget))
     return 0

@@ -7,6 +7,7 @@ import sys
 import time
 
 from pipeline import model_size, schedule
+from pipeline.exit_codes import EXIT_BAD_INPUT
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,12 +63,12 @@ def _validate(args: argparse.Namespace) -> int:
             f"error: rule 'layers': the schedule lists {len(heads)} layers, the model has {layers}",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
     verdict = schedule.judge(heads, d_model, h_base, tp, allow_guideline_violations=args.allow_guideline_violations)
     for p in verdict.violations:
         print(("error: " if p in verdict.errors else "warning (allowed): ") + str(p), file=sys.stderr)
     if verdict.errors:
-        return 2
+        return EXIT_BAD_INPUT
     _print_valid(verdict, d_model, layers, h_base, tp, int(round(8 * d_model / 3)), 1024)
     return 0
 

@@ -1,12 +1,13 @@
 """`prism train CONFIG [overrides]`: one process, or one of many under torchrun / srun.
 
-Exit codes (launchers act on them): 0 token budget done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1/SIGUSR2/SIGINT
-after writing a checkpoint (requeue), 4 non-finite loss (diagnostics written, last good checkpoint kept).
+Its exit codes (launchers act on them) are pipeline.exit_codes'.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from pipeline.exit_codes import TRAIN_EXIT_CODES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -14,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train (or resume) one run with DeepSpeed + Megatron-core",
         description="Train one run; resumes automatically from <checkpoint_dir>/latest. "
-        "Exit codes: 0 done, 2 bad input, 3 stopped by a signal after a checkpoint (requeue), 4 NaN/inf loss.",
+        f"Exit codes: {TRAIN_EXIT_CODES}.",
     )
     p.add_argument("config", help="YAML preset, e.g. configs/tiny_prism.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tp=2")

@@ -155,8 +155,8 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
     keep_last: int = 2
-    # Plan keys (PLAN_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after a NaN;
-    # any other change of the plan, model or data is refused on resume.
+    # Training-recipe keys (RECIPE_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after
+    # a NaN; any other change of the recipe, model or data is refused on resume.
     allow_changes: tuple[str, ...] = ()
 
 
@@ -277,7 +277,7 @@ from pipeline.config.loading import (  # noqa: E402
 from pipeline.config.resume_keys import (  # noqa: E402
     EXECUTION_ONLY_KEYS,
     MODEL_OR_DATA_KEYS,
-    PLAN_KEYS,
+    RECIPE_KEYS,
     changed_keys,
     flatten,
     schema_default,
@@ -304,7 +304,7 @@ __all__ = [
     "NON_EMPTY_KEYS",
     "NON_NEGATIVE",
     "OUTPUT_DIR_KEYS",
-    "PLAN_KEYS",
+    "RECIPE_KEYS",
     "POSITIVE",
     "PROJECT_CONFIGS",
     "RANGES",

@@ -1,4 +1,4 @@
-"""Which config keys a resume may change: the model and data keys never, the training-plan keys only when
+"""Which config keys a resume may change: the model and data keys never, the training-recipe keys only when
 `checkpoint.allow_changes` names them, execution-only keys always; and `changed_keys`, which compares two
 config dicts by what they build (the schedule resolved)."""
 
@@ -33,9 +33,9 @@ EXECUTION_ONLY_KEYS = (
     "model.attention_backend",
     "model.fusions",
 )
-# Keys that change the training trajectory (schedule, optimizer, numerics) but not what a checkpoint holds:
-# a resume refuses a change unless checkpoint.allow_changes names the key.
-PLAN_KEYS = (
+# The training recipe: keys that change the training trajectory (LR schedule, optimizer, numerics) but not
+# what a checkpoint holds: a resume refuses a change unless checkpoint.allow_changes names the key.
+RECIPE_KEYS = (
     "train.train_tokens",
     "train.lr",
     "train.min_lr",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline import schedule
 from pipeline.config import ConfigError
-from pipeline.config.resume_keys import PLAN_KEYS
+from pipeline.config.resume_keys import RECIPE_KEYS
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -168,8 +168,8 @@ def check_combinations(cfg: Config) -> None:
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
     for key in cfg.checkpoint.allow_changes:
-        if key not in PLAN_KEYS:
-            fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(PLAN_KEYS)}")
+        if key not in RECIPE_KEYS:
+            fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
 
 
 def check_replication(cfg: Config) -> None:

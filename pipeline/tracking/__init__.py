@@ -25,7 +25,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Values fixed for a start (e.g. the data plan): params, so they do not crowd the metric charts."""
+        """Values fixed for a start (e.g. the data budget): params, so they do not crowd the metric charts."""
 
     def log_artifact_text(self, text: str, name: str) -> None: ...
 

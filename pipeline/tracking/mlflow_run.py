@@ -162,7 +162,7 @@ class MlflowTracker:
             self._keep_system_metrics()
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Params beyond the config (the data plan of this start); a resume that logs another value keeps the
+        """Params beyond the config (the data budget of this start); a resume that logs another value keeps the
         first one (MLflow params are immutable) and names the key in the run's `params_changed_on_resume` tag."""
         self.journal.append(
             {"op": "params", "time": _now_ms(), "params": {k: _param_value(v) for k, v in params.items()}}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import config, data, plan
+from pipeline import budget, config, data
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train.batch_tokens=1024", "train.micro_batch_size=8", "train.val_tokens=1024", "tracking.enabled=false"]
@@ -47,7 +47,7 @@ def one_line_error(out: subprocess.CompletedProcess) -> str:
 
 
 def test_train_refuses_a_budget_beyond_one_epoch_before_building_the_model(tiny_data, tmp_path):
-    one_epoch = plan.tokens_per_epoch(tiny_data.manifest, 1)
+    one_epoch = budget.tokens_per_epoch(tiny_data.manifest, 1)
     over = (one_epoch // 1024 + 1) * 1024
     out = train_tiny(tiny_data, f"train.train_tokens={over}", f"run.output_dir={tmp_path}")
     line = one_line_error(out)
@@ -61,7 +61,7 @@ def test_train_refuses_a_budget_beyond_one_epoch_before_building_the_model(tiny_
 def test_loader_really_repeats_the_data_in_a_new_order(tiny_data):
     cfg = config.load(ROOT / "configs" / "tiny_prism.yaml", [*tiny_data.overrides, *TRAIN, "data.allow_repeat=true"])
     loader = data.ShardLoader(cfg, dp_rank=0, dp_size=1, batch_size=8)
-    rows_per_epoch = plan.tokens_per_epoch(tiny_data.manifest, 1) // 128
+    rows_per_epoch = budget.tokens_per_epoch(tiny_data.manifest, 1) // 128
     epochs = [np.concatenate([loader.next_batch() for _ in range(rows_per_epoch // 8)]) for _ in range(2)]
     loader.close()
     assert loader.position.epoch == 2

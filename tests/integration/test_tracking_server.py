@@ -10,7 +10,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import config, plan, schedule
+from pipeline import budget, config, schedule
 from pipeline.cli import main
 from pipeline.compare import latest_per_step
 from pipeline.config import flatten
@@ -100,7 +100,7 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         assert run.info.status == "FINISHED" and run.info.run_name == cfg.run_name
         assert set(run.data.params) == set(flatten(cfg.to_dict())) | {"data/epochs", "data/tokens_per_epoch"}
         manifest = read_manifest(cfg.data.dataset_dir)
-        assert run.data.params["data/tokens_per_epoch"] == str(plan.tokens_per_epoch(manifest, 1))
+        assert run.data.params["data/tokens_per_epoch"] == str(budget.tokens_per_epoch(manifest, 1))
         assert run.data.params["schedule.heads"] == cfg.schedule.heads
         tags = run.data.tags
         assert tags["schedule"] == schedule.compact(cfg.heads_per_layer) and tags["config_hash"] == cfg.hash()
@@ -136,4 +136,4 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         if cfg.run_name == "uniform-tiny-s2":
             # the second job doubled the budget, so twice the epochs: both names, the first values kept
             assert set(tags["params_changed_on_resume"].split(",")) == {"train.train_tokens", "data/epochs"}
-            assert float(run.data.params["data/epochs"]) == round(3 * 1024 / plan.tokens_per_epoch(manifest, 1), 4)
+            assert float(run.data.params["data/epochs"]) == round(3 * 1024 / budget.tokens_per_epoch(manifest, 1), 4)

@@ -243,13 +243,13 @@ def test_a_start_checks_the_dataset_once(watched_run):
 
 
 @pytest.mark.megatron_compat
-def test_the_loop_does_what_the_step_plan_says(watched_run):
-    from pipeline.train import step_plan
+def test_the_loop_does_what_step_actions_says(watched_run):
+    from pipeline.train import step_actions
 
     cfg, seen = watched_run
-    plans = {step: step_plan(cfg, step, 7) for step in range(1, 8)}
+    actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
     for action in ("sync", "validate", "log", "checkpoint"):
-        assert seen[action] == [s for s, p in plans.items() if getattr(p, action)], action
+        assert seen[action] == [s for s, a in actions.items() if getattr(a, action)], action
     assert seen["sync"] == [1, 2, 3, 4, 6, 7]  # step 5 is none of them: its loss is read back at step 6
 
 

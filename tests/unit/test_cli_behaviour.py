@@ -11,7 +11,7 @@ import pytest
 from pipeline import config
 from pipeline.cli import _all_parsers, build_parser, main, parse_args
 from pipeline.config import ConfigError
-from pipeline.study import parse_seeds, plan
+from pipeline.study import parse_seeds, study_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,20 +60,20 @@ def test_every_verb_help_states_defaults_and_ends_with_an_example():
                 assert "default" in p._get_formatter()._get_help_string(action), (name, action.option_strings)
 
 
-def test_study_seeds_and_plan():
+def test_study_seeds_and_runs():
     assert parse_seeds("3") == [1, 2, 3] and parse_seeds("5,7") == [5, 7] and parse_seeds("2-4") == [2, 3, 4]
     for bad in ("x", "0", "1,1"):
         with pytest.raises(ConfigError):
             parse_seeds(bad)
-    runs = plan([str(ROOT / "configs/tiny_uniform.yaml"), str(ROOT / "configs/tiny_prism.yaml")], [1, 2], [])
-    assert [(seed, c.run_name) for seed, _, c in runs] == [
+    runs = study_runs([str(ROOT / "configs/tiny_uniform.yaml"), str(ROOT / "configs/tiny_prism.yaml")], [1, 2], [])
+    assert [(r.cfg.run.seed, r.name) for r in runs] == [
         (1, "uniform-tiny-s1"),
         (1, "prism-tiny-s1"),
         (2, "uniform-tiny-s2"),
         (2, "prism-tiny-s2"),
     ]
     with pytest.raises(ConfigError, match="different experiments"):
-        plan([str(ROOT / "configs/tiny_prism.yaml"), str(ROOT / "configs/prism_124m.yaml")], [1], [])
+        study_runs([str(ROOT / "configs/tiny_prism.yaml"), str(ROOT / "configs/prism_124m.yaml")], [1], [])
 
 
 def test_data_paths_follow_run_output_dir():

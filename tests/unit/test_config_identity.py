@@ -79,7 +79,7 @@ def test_a_finished_run_is_found_under_either_spelling(tmp_path):
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 
-    from pipeline.demo import finished_run
+    from pipeline.grid import finished_run_ids
     from pipeline.tracking.store import run_uri
 
     first = tiny(tmp_path, SPELLINGS[0])
@@ -87,9 +87,8 @@ def test_a_finished_run_is_found_under_either_spelling(tmp_path):
     experiment = client.create_experiment(first.experiment, artifact_location=(tmp_path / "artifacts").as_uri())
     run = client.create_run(experiment, run_name=first.run_name, tags={"config_hash": first.hash()})
     client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
-    for spelling in SPELLINGS:
-        assert finished_run(tiny(tmp_path, spelling)) == run.info.run_id  # demo and study skip it
-    assert finished_run(tiny(tmp_path, "6x2,12x6")) is None
+    found = finished_run_ids([tiny(tmp_path, spelling) for spelling in [*SPELLINGS, "6x2,12x6"]])
+    assert found == [run.info.run_id] * len(SPELLINGS) + [None]  # demo, study skip it under every spelling
 
 
 # --- sweep and study resolve schedules through the config ---------------------------------------------------
@@ -97,8 +96,8 @@ def test_sweep_accepts_preset_names_and_refuses_what_the_config_refuses():
     from launchers import sweep
 
     grid = sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "table5-config-6"])
-    assert [p.schedule for p, _, _ in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
-    assert [c.schedule.heads for _, c, _ in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
+    assert [r.schedule for r in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
+    assert [r.cfg.schedule.heads for r in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
     # two spellings of one schedule would be one run trained twice in one folder
     with pytest.raises(ConfigError, match="3x2,6x2,8x2,12x6 more than once"):
         sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "3,3,6,6,8,8,12,12,12,12,12,12"])
@@ -116,4 +115,4 @@ def test_study_sees_two_spellings_of_one_schedule_as_one_run(tmp_path):
         paths.append(tmp_path / f"arm{i}.yaml")
         paths[-1].write_text(f"base: {TINY}\nschedule:\n  heads: '{heads}'\n")
     with pytest.raises(ConfigError, match=r"two configs make the same run \(prism-tiny-s1\[3x2,6x2,12x4\]\)"):
-        study.plan([str(p) for p in paths], [1], [f"run.output_dir={tmp_path}"])
+        study.study_runs([str(p) for p in paths], [1], [f"run.output_dir={tmp_path}"])

@@ -142,17 +142,17 @@ def test_readers_refuse_truncated_weights_named_by_the_integrity_record(tmp_path
         read_weights(tag)
 
 
-def test_step_plan_by_hand():
+def test_step_actions_by_hand():
     """Which steps validate, log, checkpoint and so sync: log every 2, validate every 3, checkpoint every 4,
     7 steps; the first step logs, the last does everything, a stop signal checkpoints (and so syncs)."""
     from pipeline import config
-    from pipeline.train import step_plan
+    from pipeline.train import step_actions
 
     cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "train.val_every=3", "checkpoint.every_steps=4"])
-    plans = {step: step_plan(cfg, step, 7) for step in range(1, 8)}
-    assert [s for s, p in plans.items() if p.validate] == [3, 6, 7]
-    assert [s for s, p in plans.items() if p.log] == [1, 2, 3, 4, 6, 7]  # a validation step logs its val loss
-    assert [s for s, p in plans.items() if p.checkpoint] == [4, 7]
-    assert [s for s, p in plans.items() if p.sync] == [1, 2, 3, 4, 6, 7]
-    assert step_plan(cfg, 5, 7, stop=True).checkpoint and step_plan(cfg, 5, 7, stop=True).sync
-    assert not step_plan(cfg, 5, 7, stop=True).validate
+    actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
+    assert [s for s, a in actions.items() if a.validate] == [3, 6, 7]
+    assert [s for s, a in actions.items() if a.log] == [1, 2, 3, 4, 6, 7]  # a validation step logs its val loss
+    assert [s for s, a in actions.items() if a.checkpoint] == [4, 7]
+    assert [s for s, a in actions.items() if a.sync] == [1, 2, 3, 4, 6, 7]
+    assert step_actions(cfg, 5, 7, stop=True).checkpoint and step_actions(cfg, 5, 7, stop=True).sync
+    assert not step_actions(cfg, 5, 7, stop=True).validate

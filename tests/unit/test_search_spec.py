@@ -80,7 +80,7 @@ def test_dry_run_counts_tokens_against_the_grid_and_gpu_hours_from_plan(tmp_path
     text = search.dry_run(spec, mfu=0.5, peak_flops=1e9)  # a slow "GPU", so the hours print unrounded to 0
     assert "26 schedules" in text and "4,096 -> 8,192 -> 16,384 tokens (2 / 4 / 8 steps)" in text
     assert "65,536 expected" in text and "26 x 16,384 = 425,984 (15%)" in text
-    from pipeline.plan import flops_per_token
+    from pipeline.model_size import flops_per_token
 
     hours = flops_per_token(spec.base) * 65_536 / (0.5 * 1e9) / 3600
     grid_hours = hours * 425_984 / 65_536

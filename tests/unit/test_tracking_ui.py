@@ -1,6 +1,6 @@
 """What the MLflow UI shows (issue 16 item 4, issue 24 item 4): standard source tags, milestones as tags (and
 the reader still taking the metrics older runs logged), the comparison run in its own experiment, the UI links
-(the run and the runs list, in the UI's Model-training mode), the data plan as params, not metrics."""
+(the run and the runs list, in the UI's Model-training mode), the data budget as params, not metrics."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config, model_size, plan
+from pipeline import budget, config, model_size
 from pipeline.config import ConfigError
 from pipeline.dataset import DataError
 
@@ -19,7 +19,7 @@ P757 = ROOT / "configs" / "prism_757m.yaml"
 
 def test_757m_on_one_node_of_eight_by_hand():
     cfg = config.load(P757)
-    p = plan.make_plan(cfg, nodes=1, gpus_per_node=8, mfu=0.4, peak_flops=989e12)
+    p = budget.make_budget(cfg, nodes=1, gpus_per_node=8, mfu=0.4, peak_flops=989e12)
     # layout: 524,288 tokens/step = micro 8 x seq 1024 x accum A x DP 8 -> A = 8
     assert (p.world, p.tp, p.dp, p.micro_batch, p.grad_accum) == (8, 1, 8, 8, 8)
     # steps: floor(20.97e9 / 524,288) = 39,997; warmup round(0.025 x 39,997) = round(999.925) = 1,000
@@ -50,7 +50,7 @@ def test_757m_on_one_node_of_eight_by_hand():
 )
 def test_memory_per_gpu_by_zero_stage_by_hand(stage, precision, expected):
     cfg = config.load(P757, [f"parallel.zero_stage={stage}", f"train.precision={precision}"])
-    mem = plan.memory_per_gpu(cfg, dp_size=8)
+    mem = budget.memory_per_gpu(cfg, dp_size=8)
     n = 756_894_720
     assert mem["parameters"] == pytest.approx(n * expected[0])
     assert mem["gradients"] == pytest.approx(n * expected[1])
@@ -63,7 +63,7 @@ def test_memory_per_gpu_by_zero_stage_by_hand(stage, precision, expected):
 
 def test_tensor_parallel_divides_weights_and_megatron_attention_stores_scores():
     cfg = config.load(P757, ["parallel.tp=2", "model.attention_backend=megatron"])
-    mem = plan.memory_per_gpu(cfg, dp_size=4)
+    mem = budget.memory_per_gpu(cfg, dp_size=4)
     n_tp2 = model_size.parameter_count(cfg)  # vocab padded to 128 x 2 = 256: 50,432
     assert n_tp2 == 24 * (4 * 1536**2 + 3 * 1536 * 4096 + 4 * 1536) + 50_432 * 1536 + 2 * 1536
     assert mem["parameters"] == pytest.approx(n_tp2 / 2 * 2)
@@ -75,23 +75,23 @@ def test_tensor_parallel_divides_weights_and_megatron_attention_stores_scores():
 
 def test_layout_is_the_trainers_and_refusals_are_one_line():
     cfg = config.load(P757, ["parallel.tp=2"])
-    assert plan.make_plan(cfg, 2, 8).dp == 8
+    assert budget.make_budget(cfg, 2, 8).dp == 8
     with pytest.raises(ConfigError, match=r"world size 3 is not divisible by parallel.tp=2"):
-        plan.make_plan(cfg, 1, 3)
+        budget.make_budget(cfg, 1, 3)
     # 6 GPUs: 524,288 is not a multiple of 1024 x 8 x 6 (the trainer's cfg.steps refuses the same way)
     with pytest.raises(ConfigError, match=r"train.batch_tokens=524288 is not divisible .* x 6 = 49152"):
-        plan.make_plan(config.load(P757), 1, 6)
+        budget.make_budget(config.load(P757), 1, 6)
     with pytest.raises(ConfigError, match="--mfu"):
-        plan.make_plan(config.load(P757), 1, 8, mfu=1.5)
+        budget.make_budget(config.load(P757), 1, 8, mfu=1.5)
     with pytest.raises(ConfigError, match="--nodes 0"):
-        plan.make_plan(config.load(P757), 0, 8)
+        budget.make_budget(config.load(P757), 0, 8)
 
 
 def test_unknown_input_and_no_peak_say_unknown():
     cfg = config.load(P757, ["data.input=/somewhere/else", "data.dataset_dir=/nonexistent"])
-    p = plan.make_plan(cfg, 1, 8)
+    p = budget.make_budget(cfg, 1, 8)
     assert p.epochs is None and p.wall_seconds is None
-    text = plan.format_plan(cfg, p)
+    text = budget.format_budget(cfg, p)
     assert "epochs       unknown" in text and "wall time    unknown" in text
 
 
@@ -101,47 +101,47 @@ def test_epochs_from_the_prepared_manifest_by_hand(tiny_data):
     shards = len(m["splits"]["train"]["shards"])
     per_shard = m["splits"]["train"]["samples_per_shard"] * m["sequences_per_sample"] * 128
     for dp in (1, 4):  # DP=4 drops the shards beyond a multiple of 4, as the loader does
-        assert plan.tokens_per_epoch(m, dp) == shards // dp * dp * per_shard
-    p = plan.make_plan(cfg, 1, 1, manifest=m)
+        assert budget.tokens_per_epoch(m, dp) == shards // dp * dp * per_shard
+    p = budget.make_budget(cfg, 1, 1, manifest=m)
     assert p.epochs == pytest.approx(cfg.train.train_tokens / (shards * per_shard))
     assert "manifest" in p.epochs_source
 
 
 def test_budget_beyond_one_epoch_is_refused_unless_allow_repeat(tiny_data):
     m = tiny_data.manifest
-    one_epoch = plan.tokens_per_epoch(m, 1)
+    one_epoch = budget.tokens_per_epoch(m, 1)
     over = (one_epoch // 1024 + 1) * 1024
     base = [*tiny_data.overrides, "train.batch_tokens=1024", "train.micro_batch_size=8"]
     cfg = config.load(ROOT / "configs" / "tiny_prism.yaml", [*base, f"train.train_tokens={over}"])
     with pytest.raises(DataError) as e:
-        plan.check_epochs(cfg, m, 1)
+        budget.check_epochs(cfg, m, 1)
     msg = str(e.value)
     assert f"train.train_tokens={over:,}" in msg and f"({one_epoch:,} tokens at DP=1)" in msg
     assert "data.allow_repeat=true" in msg and "\n" not in msg
     allowed = config.load(
         ROOT / "configs" / "tiny_prism.yaml", [*base, f"train.train_tokens={over}", "data.allow_repeat=true"]
     )
-    assert plan.check_epochs(allowed, m, 1) == pytest.approx(over / one_epoch)
+    assert budget.check_epochs(allowed, m, 1) == pytest.approx(over / one_epoch)
     exact = config.load(ROOT / "configs" / "tiny_prism.yaml", [*base, f"train.train_tokens={one_epoch}"])
-    assert plan.check_epochs(exact, m, 1) == pytest.approx(1.0)
+    assert budget.check_epochs(exact, m, 1) == pytest.approx(1.0)
 
 
 def test_paper_presets_hold_their_budget_in_one_epoch():
     for scale in ("124m", "354m", "757m"):
         for arm in ("prism", "uniform"):
-            p = plan.make_plan(config.load(ROOT / "configs" / f"{arm}_{scale}.yaml"), 1, 8)
+            p = budget.make_budget(config.load(ROOT / "configs" / f"{arm}_{scale}.yaml"), 1, 8)
             assert p.epochs is not None and p.epochs <= 1, (arm, scale, p.epochs)
 
 
 def test_verify_on_start_auto_rule(tiny_data, monkeypatch):
     cfg = config.load(ROOT / "configs" / "tiny_prism.yaml", tiny_data.overrides)
     assert cfg.data.verify_on_start == "auto"
-    size = plan.dataset_bytes(cfg, tiny_data.manifest)
-    assert 0 < size <= plan.VERIFY_AUTO_BYTES and plan.should_verify_on_start(cfg, tiny_data.manifest)
-    monkeypatch.setattr(plan, "VERIFY_AUTO_BYTES", size - 1)  # one byte over the limit: not hashed up front
-    assert not plan.should_verify_on_start(cfg, tiny_data.manifest)
+    size = budget.dataset_bytes(cfg, tiny_data.manifest)
+    assert 0 < size <= budget.VERIFY_AUTO_BYTES and budget.should_verify_on_start(cfg, tiny_data.manifest)
+    monkeypatch.setattr(budget, "VERIFY_AUTO_BYTES", size - 1)  # one byte over the limit: not hashed up front
+    assert not budget.should_verify_on_start(cfg, tiny_data.manifest)
     on = config.load(ROOT / "configs" / "tiny_prism.yaml", [*tiny_data.overrides, "data.verify_on_start=true"])
-    assert plan.should_verify_on_start(on, tiny_data.manifest)
+    assert budget.should_verify_on_start(on, tiny_data.manifest)
 
 
 def test_prism_plan_cli_prints_the_plan_without_heavy_imports():
@@ -185,7 +185,7 @@ def test_gpu_name_takes_its_peak_from_the_table(capsys):
 
     name, peak = next(iter(PEAK_BF16_FLOPS.items()))
     assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", name]) == 0
-    want = plan.make_plan(config.load(P757), 1, 8, peak_flops=peak)
+    want = budget.make_budget(config.load(P757), 1, 8, peak_flops=peak)
     assert f"of {peak / 1e12:,.0f} TFLOP/s per GPU" in capsys.readouterr().out and want.wall_seconds
 
 

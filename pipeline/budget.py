@@ -1,9 +1,10 @@
-"""What a run will be, before it spends an allocation: layout, steps, tokens, epochs, memory, FLOPs, time.
+"""A run's budget, before it spends an allocation: layout, steps, tokens, epochs, memory, FLOPs, time.
 
-Pure arithmetic on the Config (and the dataset's manifest when it is prepared); imports no torch, so
+What `prism plan` prints (the verb keeps its name; this module is named for what it computes). Pure
+arithmetic on the Config (and the dataset's manifest when it is prepared); imports no torch, so
 `prism plan` answers in well under a second. The trainer uses the same functions for the layout
 (Config.steps) and for the epoch check, and parameters and FLOPs per token are pipeline.model_size's (the
-model's and the MFU's), so the plan and the run cannot disagree.
+model's and the MFU's), so the budget and the run cannot disagree.
 
 Memory per GPU is an estimate (ZeRO paper accounting, Megatron's activation formula), not a measurement:
 - parameters: bytes of the module's dtype (bf16: 2, fp32: 4); ZeRO-3 partitions them over DP;
@@ -135,9 +136,9 @@ def memory_per_gpu(cfg: Config, dp_size: int) -> dict[str, float]:
     return out
 
 
-# --- the whole plan ---------------------------------------------------------------------------------------
+# --- the whole budget -------------------------------------------------------------------------------------
 @dataclass
-class Plan:
+class Budget:
     nodes: int
     gpus_per_node: int
     world: int
@@ -159,15 +160,15 @@ class Plan:
     wall_seconds: float | None
 
 
-def make_plan(
+def make_budget(
     cfg: Config,
     nodes: int = 1,
     gpus_per_node: int = 1,
     mfu: float = 0.4,
     peak_flops: float | None = None,
     manifest: dict[str, Any] | None = None,
-) -> Plan:
-    """The plan for ``nodes x gpus_per_node`` ranks; ``manifest`` (when prepared) gives the epochs."""
+) -> Budget:
+    """The budget for ``nodes x gpus_per_node`` ranks; ``manifest`` (when prepared) gives the epochs."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
     if not 0 < mfu <= 1:
@@ -187,7 +188,7 @@ def make_plan(
     fpt = flops_per_token(cfg)
     tokens = steps["total"] * cfg.train.batch_tokens  # what the loop trains: whole optimizer steps
     wall = fpt * tokens / (mfu * peak * world) if peak else None
-    return Plan(
+    return Budget(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         world=world,
@@ -210,32 +211,36 @@ def make_plan(
     )
 
 
-def format_plan(cfg: Config, plan: Plan) -> str:
-    m, mem = cfg.model, plan.memory
-    epochs = "unknown" if plan.epochs is None else f"{plan.epochs:.2f}" + (" (repeats data)" if plan.epochs > 1 else "")
+def format_budget(cfg: Config, budget: Budget) -> str:
+    m, mem = cfg.model, budget.memory
+    epochs = (
+        "unknown"
+        if budget.epochs is None
+        else f"{budget.epochs:.2f}" + (" (repeats data)" if budget.epochs > 1 else "")
+    )
     lines = [
         f"plan: {cfg.run_name} ({cfg.source})",
-        f"  world        {plan.world} GPUs = {plan.nodes} node(s) x {plan.gpus_per_node} = TP {plan.tp} x DP {plan.dp}",
-        f"  batch        {plan.tokens_per_step:,} tokens/step = micro-batch {plan.micro_batch} x seq {m.seq_len} x "
-        f"grad_accum {plan.grad_accum} x DP {plan.dp}",
-        f"  steps        {plan.steps:,} optimizer steps, {plan.warmup:,} warmup",
-        f"  tokens       {plan.tokens:,}",
-        f"  epochs       {epochs} of {plan.epochs_source}",
-        f"  parameters   {plan.parameters:,}",
+        f"  world        {budget.world} GPUs = {budget.nodes} node(s) x {budget.gpus_per_node} = TP {budget.tp} x DP {budget.dp}",
+        f"  batch        {budget.tokens_per_step:,} tokens/step = micro-batch {budget.micro_batch} x seq {m.seq_len} x "
+        f"grad_accum {budget.grad_accum} x DP {budget.dp}",
+        f"  steps        {budget.steps:,} optimizer steps, {budget.warmup:,} warmup",
+        f"  tokens       {budget.tokens:,}",
+        f"  epochs       {epochs} of {budget.epochs_source}",
+        f"  parameters   {budget.parameters:,}",
         f"  memory/GPU   {mem['total'] / GIB:.2f} GiB = parameters {mem['parameters'] / GIB:.2f} + gradients "
         f"{mem['gradients'] / GIB:.2f} + optimizer {mem['optimizer'] / GIB:.2f} + activations "
         f"{mem['activations'] / GIB:.2f} (ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; estimate)",
-        f"  FLOPs/token  {plan.flops_per_token:,} (training, attention counted in full)",
+        f"  FLOPs/token  {budget.flops_per_token:,} (training, attention counted in full)",
     ]
-    if plan.wall_seconds is None:
-        lines.append(f"  wall time    unknown at MFU {plan.mfu:.0%}: pass --peak-tflops (e.g. 989 for H100 SXM bf16)")
+    if budget.wall_seconds is None:
+        lines.append(f"  wall time    unknown at MFU {budget.mfu:.0%}: pass --peak-tflops (e.g. 989 for H100 SXM bf16)")
     else:
         lines.append(
-            f"  wall time    {duration(plan.wall_seconds)} at MFU {plan.mfu:.0%} of {plan.peak_flops / 1e12:,.0f} "
+            f"  wall time    {duration(budget.wall_seconds)} at MFU {budget.mfu:.0%} of {budget.peak_flops / 1e12:,.0f} "
             f"TFLOP/s per GPU"
         )
     return "\n".join(lines)
 
 
-def plan_json(plan: Plan) -> str:
-    return json.dumps(plan.__dict__, indent=1)
+def budget_json(budget: Budget) -> str:
+    return json.dumps(budget.__dict__, indent=1)

@@ -1,0 +1,12 @@
+"""The exit codes of `prism` (the one place they are defined; launchers/train_job.sh, the sweep and the search
+decide a requeue by them, and the shell job body repeats the numbers it cannot import)."""
+
+EXIT_FINISHED = 0  # the token budget is done (prism train), or the verb did what it was asked
+EXIT_BAD_INPUT = 2  # one line naming the cause and the fix, no traceback
+EXIT_STOPPED = 3  # prism train: a stop signal (SIGTERM/SIGUSR1/SIGUSR2/SIGINT), checkpointed: requeue to resume
+EXIT_NONFINITE = 4  # prism train: NaN/inf loss, diagnostics written, the last good checkpoint kept: no requeue
+
+TRAIN_EXIT_CODES = (
+    f"{EXIT_FINISHED} done, {EXIT_BAD_INPUT} bad input, {EXIT_STOPPED} stopped by a signal after a checkpoint "
+    f"(requeue), {EXIT_NONFINITE} NaN/inf loss"
+)

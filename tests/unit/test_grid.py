@@ -1,0 +1,44 @@
+"""The grid of runs demo, study and sweep share: order, overrides, run folders, the `prism train` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline.grid import expand_grid
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny_prism.yaml"
+
+
+def test_the_grid_is_seed_major_and_gives_each_schedule_its_own_folder(tmp_path):
+    runs = expand_grid([TINY], [1, 2], ["3x2,6x2,12x4", "6x2,12x6"], [f"run.output_dir={tmp_path}"])
+    assert [(r.cfg.run.seed, r.schedule) for r in runs] == [
+        (1, "3x2,6x2,12x4"),
+        (1, "6x2,12x6"),
+        (2, "3x2,6x2,12x4"),
+        (2, "6x2,12x6"),
+    ]
+    # one run name per arm and seed, so the schedule is in the folder: two schedules never share a run dir
+    assert runs[0].name == runs[1].name == "prism-tiny-s1"
+    assert runs[0].run_dir == tmp_path / "sched-3x2_6x2_12x4" / "prism-tiny-s1"
+    assert len({r.run_dir for r in runs}) == 4
+    assert runs[1].label == "prism-tiny-s1 6x2,12x6"
+    # the command trains exactly the config the grid loaded
+    assert runs[3].train_command() == [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "train",
+        str(TINY),
+        f"run.output_dir={tmp_path}",
+        "run.seed=2",
+        "schedule.heads=6x2,12x6",
+        f"run.output_dir={tmp_path}/sched-6x2_12x6",
+    ]
+
+
+def test_without_seeds_or_schedules_each_config_keeps_its_own():
+    (run,) = expand_grid([TINY], overrides=["run.seed=7"])
+    assert run.cfg.run.seed == 7 and run.schedule is None and run.label == "prism-tiny-s7"
+    assert run.train_command()[-2:] == [str(TINY), "run.seed=7"]
