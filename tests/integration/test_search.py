@@ -59,7 +59,7 @@ def _processes_in(folder: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if str(folder).encode() in (entry / "cmdline").read_bytes() and search._proc_start(int(entry.name)):
+                if str(folder).encode() in (entry / "cmdline").read_bytes() and search.proc_start(int(entry.name)):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -85,7 +85,7 @@ def killed_and_resumed(tiny_data, tmp_path_factory):
     first.send_signal(signal.SIGKILL)
     first.wait()
     at_kill = {k: dict(r) for k, r in _state(folder)["runs"].items()}
-    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search._proc_start(r["handle"]["pid"])]
+    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search.proc_start(r["handle"]["pid"])]
     resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     return {
         "spec": spec,
