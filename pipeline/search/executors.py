@@ -85,8 +85,9 @@ class LocalLauncher:
 
 
 class SlurmLauncher:
-    """One submitit job per run (the sweep's TrainJob and executor settings); a pruned job is scancel'ed:
-    Slurm sends SIGTERM to its steps, `prism train` checkpoints and ends before the KillWait runs out."""
+    """One submitit job per run (the sweep's TrainJob and executor settings); a pruned job is scancel'ed
+    through submitit: Slurm sends SIGTERM to its steps, `prism train` checkpoints and ends before the KillWait
+    runs out, and the job ends CANCELLED."""
 
     def __init__(self, spec: SearchSpec):
         self.spec = spec
@@ -115,6 +116,14 @@ class SlurmLauncher:
         return {"job_id": str(job.job_id)}
 
     def alive(self, rec: dict[str, Any]) -> bool:
+        """Until squeue lets the job go. A cancelled job is CANCELLED in sacct (and so done for submitit) at
+        once, while its step still runs: the trainer writing its checkpoint, squeue's COMPLETING. Once
+        squeue no longer knows the job (or cannot be asked), submitit's sacct-based answer decides."""
+        out = subprocess.run(
+            ["squeue", "-h", "-j", rec["handle"]["job_id"], "-o", "%T"], capture_output=True, text=True, timeout=60
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return True
         return not self._job(rec).done()
 
     def stop(self, rec: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
-"""`prism search` on the local executor: a tiny ASHA search over 6 schedules with real `prism train` runs,
-its driver killed (SIGKILL) mid-search and resumed. One search serves every check, to keep CI time low."""
+"""`prism search`: a tiny ASHA search over 6 schedules with real `prism train` runs. On the local executor
+its driver is killed (SIGKILL) mid-search and resumed; one search serves those checks, to keep CI time low. On the local two-node Slurm cluster every trial is a submitit job."""
 
 from __future__ import annotations
 
@@ -20,9 +20,16 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 SCHEDULES = ["2x2,6x2,12x4", "4x2,8x2,12x4", "3x2,4x2,12x4", "6x2,8x2,12x4", "2x2,4x2,12x4", "3x2,8x2,12x4"]
 
 
-def _spec(tmp_path: Path, tiny_data, **changes: str) -> Path:
-    overrides = "\n".join(f"  - {o}" for o in tiny_data.overrides)
-    text = f"""name: tiny-search
+def _spec(
+    tmp_path: Path,
+    tiny_data,
+    name: str = "tiny-search",
+    executor: str = "local",
+    more_overrides: tuple[str, ...] = (),
+    **changes: str,
+) -> Path:
+    overrides = "\n".join(f"  - {o}" for o in [*tiny_data.overrides, *more_overrides])
+    text = f"""name: {name}
 config: {ROOT / "configs/tiny_prism.yaml"}
 folder: {tmp_path / "search"}
 overrides:
@@ -39,7 +46,7 @@ rungs: {{min_tokens: 3072, reduction_factor: 2, full_tokens: 12288}}
 trials: 6
 concurrency: 2
 seed: 0
-executor: local
+executor: {executor}
 """
     for key, value in changes.items():
         text += f"{key}: {value}\n"
@@ -194,3 +201,70 @@ def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"{spec}:3:8: rungs.reduction_factor is missing" in out.stderr, out.stderr
+
+
+def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_nothing_running(
+    slurm_cluster, mlflow_server, tiny_data, tmp_path
+):
+    """The same tiny search on the two-node Slurm cluster, each trial a submitit job: a pruned trial is
+    scancel'ed through submitit and its job ends CANCELLED after `prism train` wrote its checkpoint."""
+    spec = _spec(
+        tmp_path,
+        tiny_data,
+        name="slurm-search",
+        executor="slurm",
+        more_overrides=(f"tracking.uri={mlflow_server.url}",),
+        nproc_per_node="1",
+        slurm="{cpus_per_task: 1, timeout_min: 10, signal_delay_s: 60}",
+    )
+    folder = tmp_path / "search"
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    print(f"slurm search: {time.monotonic() - t0:.1f} s\n{out.stdout}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    state = _state(folder)
+    trials = [r for r in state["runs"].values() if r["kind"] == "trial"]
+    assert sorted(r["schedule"] for r in trials) == sorted(SCHEDULES)
+    pruned = [r for r in trials if r["status"] == "pruned"]
+    complete = [r for r in trials if r["status"] == "complete"]
+    assert pruned and complete and len(pruned) + len(complete) == 6, [(r["key"], r["status"]) for r in trials]
+    jobs = {r["key"]: r["handle"]["job_id"] for r in trials}
+    assert len(set(jobs.values())) == 6  # one job per trial, none submitted twice
+    for r in pruned:  # cancelled, after the trainer checkpointed at the step the stop landed on
+        assert slurm_cluster.sacct(jobs[r["key"]]) == "CANCELLED", r
+        ckpt = Path(r["checkpoint_dir"])
+        assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
+        assert int(r["checkpoints"][-1].split("-")[1]) < 12, r
+        finish = [x for x in search.read_journal(r) if x["op"] == "finish"]
+        assert finish and finish[-1]["status"] == "KILLED", (r["key"], finish)
+    for r in complete:
+        assert slurm_cluster.sacct(jobs[r["key"]]) == "COMPLETED", r
+        assert r["tokens"] == 12288 and r["checkpoints"][-1] == "step-0000012"
+    # nothing left: no job queued or running, no srun/torchrun/trainer naming the search's folder
+    assert all(slurm_cluster.state(job) == "" for job in jobs.values())
+    deadline = time.monotonic() + 35  # a cancelled job's steps are SIGKILLed after KillWait (30 s) at worst
+    while _processes_in(folder) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_in(folder) == []
+
+    import optuna
+    from mlflow.tracking import MlflowClient
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    study = optuna.load_study(
+        study_name="slurm-search", storage=JournalStorage(JournalFileBackend(str(folder / search.OPTUNA_FILE)))
+    )
+    lowest = min(complete, key=lambda r: r["final_val"])
+    assert study.best_trial.number == lowest["trial"]
+    history = MlflowClient(mlflow_server.url).get_metric_history(search.run_id_of(lowest), "val/loss")
+    assert max(history, key=lambda m: m.step).value == pytest.approx(study.best_value)
+    finals = {r["key"]: r["final_val"] for r in complete}
+    assert f"Best: {lowest['key']} {lowest['schedule']}" in out.stdout, finals
