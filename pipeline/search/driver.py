@@ -297,7 +297,8 @@ class Driver:
                 extra = [f"run.arm={arm}", f"schedule.heads={sched}", f"run.seed={seed}"] + (
                     [f"train.lr={lr!r}"] if lr else []
                 )
-                folder = s.folder / "confirm" / f"{arm}-{sched.replace(',', '_')}"
+                # one folder per run, seeds included: a run's marker, exit record and log are its own
+                folder = s.folder / "confirm" / key
                 self.new_record(
                     key, "confirm", run_overrides(s, folder, experiment, extra), "queued", schedule=sched, lr=lr
                 )

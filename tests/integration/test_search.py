@@ -1,5 +1,6 @@
 """`prism search`: a tiny ASHA search over 6 schedules with real `prism train` runs. On the local executor
-its driver is killed (SIGKILL) mid-search and resumed; one search serves those checks, to keep CI time low. On the local two-node Slurm cluster every trial is a submitit job."""
+its driver is killed (SIGKILL) mid-search and resumed, then the confirmation stage runs; one search serves
+those checks, to keep CI time low. On the local two-node Slurm cluster every trial is a submitit job."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _processes_in(folder: Path) -> list[int]:
 def killed_and_resumed(tiny_data, tmp_path_factory):
     """The search, its driver SIGKILLed once a trial ended and two run, then `--resume`d to the end."""
     tmp = tmp_path_factory.mktemp("search")
-    spec = _spec(tmp, tiny_data)
+    spec = _spec(tmp, tiny_data, confirm="{top_k: 1, seeds: 2}")
     folder = tmp / "search"
     cmd = [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"]
     with open(tmp / "first.log", "w") as log:
@@ -162,6 +163,7 @@ def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_res
     # each trial started once: launched, or found running when the kill fell between its launch and its record
     starts = [line for line in (k["first_log"] + out.stdout).splitlines() if ": launched, pid" in line]
     starts += [line for line in out.stdout.splitlines() if ": found running, pid" in line]
+    starts = [line for line in starts if not line.split()[0].startswith("c-")]  # the confirmation's runs
     assert sorted(line.split()[0] for line in starts) == [f"t{i:03d}" for i in range(6)], starts
 
     from mlflow.tracking import MlflowClient
@@ -186,6 +188,46 @@ def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_res
         study_name="tiny-search", storage=JournalStorage(JournalFileBackend(str(folder / search.OPTUNA_FILE)))
     )
     assert len(study.trials) == 6 and sorted(t.params["schedule"] for t in study.trials) == sorted(SCHEDULES)
+
+
+def test_confirmation_runs_the_best_schedule_and_uniform_over_seeds_and_compares_them(killed_and_resumed):
+    out, state, folder = killed_and_resumed["resumed"], killed_and_resumed["state"], killed_and_resumed["folder"]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    complete = [r for r in state["runs"].values() if r["kind"] == "trial" and r["status"] == "complete"]
+    best = min(complete, key=lambda r: r["final_val"])["schedule"]  # top_k 1
+    confirm = [r for r in state["runs"].values() if r["kind"] == "confirm"]
+
+    def setting(r: dict, key: str) -> str:
+        return next(o.split("=", 1)[1] for o in reversed(r["overrides"]) if o.startswith(key + "="))
+
+    ran = sorted((setting(r, "run.arm"), setting(r, "schedule.heads"), setting(r, "run.seed")) for r in confirm)
+    assert ran == [("prism", best, "1"), ("prism", best, "2"), ("uniform", "12x8", "1"), ("uniform", "12x8", "2")]
+    assert [r["status"] for r in confirm] == ["complete"] * 4, [(r["key"], r["status"]) for r in confirm]
+    # each run its own folder (the marker a driver finds a process by, its exit record, its log): a seed
+    # that shared its arm's folder was taken for the other seed's running process and never started
+    assert len({r["folder"] for r in confirm}) == len({r["marker"] for r in confirm}) == 4
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny-search-confirm")
+    runs = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("kind") == "train"]
+    assert sorted(r.info.run_name for r in runs) == [
+        "prism-tiny-s1",
+        "prism-tiny-s2",
+        "uniform-tiny-s1",
+        "uniform-tiny-s2",
+    ]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    # prism compare's table over them: the prism row against uniform, with a 95 % interval and a p-value
+    import csv
+
+    rows = list(csv.DictReader((folder / "confirm" / "compare" / "comparison.csv").open()))
+    assert sorted((r["arm"], r["runs"]) for r in rows) == [("prism", "2"), ("uniform", "2")], rows
+    [prism] = [r for r in rows if r["arm"] == "prism"]
+    low, high, p = float(prism["delta_ci95_low"]), float(prism["delta_ci95_high"]), float(prism["delta_p_value"])
+    assert low < float(prism["delta_vs_uniform"]) < high and 0 <= p <= 1, prism
+    assert "## Arms comparison: tiny-search-confirm" in out.stdout and "[95 % CI]" in out.stdout
 
 
 def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
