@@ -248,8 +248,9 @@ def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
 def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_nothing_running(
     slurm_cluster, mlflow_server, tiny_data, tmp_path
 ):
-    """The same tiny search on the two-node Slurm cluster, each trial a submitit job: a pruned trial is
-    scancel'ed through submitit and its job ends CANCELLED after `prism train` wrote its checkpoint."""
+    """The same tiny search on the two-node Slurm cluster, each trial a submitit job, its driver killed once
+    and resumed: a pruned trial is scancel'ed through submitit and its job ends CANCELLED after `prism train`
+    wrote its checkpoint; a job running at the kill is found again, not submitted twice."""
     spec = _spec(
         tmp_path,
         tiny_data,
@@ -260,25 +261,34 @@ def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_noth
         slurm="{cpus_per_task: 1, timeout_min: 10, signal_delay_s: 60}",
     )
     folder = tmp_path / "search"
+    cmd = [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"]
     t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
+    # the driver SIGKILLed once a trial ended while another's job runs, then resumed: the job is found again
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    while time.monotonic() - t0 < 240 and first.poll() is None:
+        runs = _state(folder)["runs"].values()
+        if any(r["status"] in search.FINAL for r in runs) and any(r["status"] == "running" for r in runs):
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    at_kill = {k: r["handle"] for k, r in _state(folder)["runs"].items() if r["status"] == "running"}
+    out = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=420)
     print(f"slurm search: {time.monotonic() - t0:.1f} s\n{out.stdout}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     state = _state(folder)
+    assert at_kill and all(state["runs"][k]["handle"] == job for k, job in at_kill.items())
     trials = [r for r in state["runs"].values() if r["kind"] == "trial"]
     assert sorted(r["schedule"] for r in trials) == sorted(SCHEDULES)
     pruned = [r for r in trials if r["status"] == "pruned"]
     complete = [r for r in trials if r["status"] == "complete"]
     assert pruned and complete and len(pruned) + len(complete) == 6, [(r["key"], r["status"]) for r in trials]
     jobs = {r["key"]: r["handle"]["job_id"] for r in trials}
-    assert len(set(jobs.values())) == 6  # one job per trial, none submitted twice
+    # one job per trial, none submitted twice: submitit keeps a folder per job it submitted
+    submitted = sorted(p.name for p in (folder / "submitit").iterdir() if p.is_dir())
+    assert submitted == sorted(jobs.values()), (submitted, jobs)
     for r in pruned:  # cancelled, after the trainer checkpointed at the step the stop landed on
         assert slurm_cluster.sacct(jobs[r["key"]]) == "CANCELLED", r
         ckpt = Path(r["checkpoint_dir"])
