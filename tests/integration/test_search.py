@@ -316,7 +316,15 @@ def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_noth
     )
     lowest = min(complete, key=lambda r: r["final_val"])
     assert study.best_trial.number == lowest["trial"]
-    history = MlflowClient(mlflow_server.url).get_metric_history(search.run_id_of(lowest), "val/loss")
+    assert len(study.trials) == 6
+    client = MlflowClient(mlflow_server.url)
+    runs = client.search_runs([client.get_experiment_by_name("slurm-search").experiment_id], max_results=100)
+    [parent] = [r for r in runs if r.data.tags.get("kind") == "search"]
+    children = [r for r in runs if r.data.tags.get("kind") == "train"]
+    # one MLflow run per trial, the kill notwithstanding, each a child of the search's one parent run
+    assert sorted(r.data.tags["search.trial"] for r in children) == [str(i) for i in range(6)]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    history = client.get_metric_history(search.run_id_of(lowest), "val/loss")
     assert max(history, key=lambda m: m.step).value == pytest.approx(study.best_value)
     finals = {r["key"]: r["final_val"] for r in complete}
     assert f"Best: {lowest['key']} {lowest['schedule']}" in out.stdout, finals
