@@ -1,5 +1,6 @@
-"""`prism search` on the local executor: a tiny ASHA search over 6 schedules with real `prism train` runs,
-its driver killed (SIGKILL) mid-search and resumed. One search serves every check, to keep CI time low."""
+"""`prism search`: a tiny ASHA search over 6 schedules with real `prism train` runs. On the local executor
+its driver is killed (SIGKILL) mid-search and resumed, then the confirmation stage runs; one search serves
+those checks, to keep CI time low. On the local two-node Slurm cluster every trial is a submitit job."""
 
 from __future__ import annotations
 
@@ -20,9 +21,16 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 SCHEDULES = ["2x2,6x2,12x4", "4x2,8x2,12x4", "3x2,4x2,12x4", "6x2,8x2,12x4", "2x2,4x2,12x4", "3x2,8x2,12x4"]
 
 
-def _spec(tmp_path: Path, tiny_data, **changes: str) -> Path:
-    overrides = "\n".join(f"  - {o}" for o in tiny_data.overrides)
-    text = f"""name: tiny-search
+def _spec(
+    tmp_path: Path,
+    tiny_data,
+    name: str = "tiny-search",
+    executor: str = "local",
+    more_overrides: tuple[str, ...] = (),
+    **changes: str,
+) -> Path:
+    overrides = "\n".join(f"  - {o}" for o in [*tiny_data.overrides, *more_overrides])
+    text = f"""name: {name}
 config: {ROOT / "configs/tiny_prism.yaml"}
 folder: {tmp_path / "search"}
 overrides:
@@ -39,7 +47,7 @@ rungs: {{min_tokens: 3072, reduction_factor: 2, full_tokens: 12288}}
 trials: 6
 concurrency: 2
 seed: 0
-executor: local
+executor: {executor}
 """
     for key, value in changes.items():
         text += f"{key}: {value}\n"
@@ -59,7 +67,7 @@ def _processes_in(folder: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if str(folder).encode() in (entry / "cmdline").read_bytes() and search._proc_start(int(entry.name)):
+                if str(folder).encode() in (entry / "cmdline").read_bytes() and search.proc_start(int(entry.name)):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -70,7 +78,7 @@ def _processes_in(folder: Path) -> list[int]:
 def killed_and_resumed(tiny_data, tmp_path_factory):
     """The search, its driver SIGKILLed once a trial ended and two run, then `--resume`d to the end."""
     tmp = tmp_path_factory.mktemp("search")
-    spec = _spec(tmp, tiny_data)
+    spec = _spec(tmp, tiny_data, confirm="{top_k: 1, seeds: 2}")
     folder = tmp / "search"
     cmd = [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"]
     with open(tmp / "first.log", "w") as log:
@@ -85,7 +93,7 @@ def killed_and_resumed(tiny_data, tmp_path_factory):
     first.send_signal(signal.SIGKILL)
     first.wait()
     at_kill = {k: dict(r) for k, r in _state(folder)["runs"].items()}
-    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search._proc_start(r["handle"]["pid"])]
+    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search.proc_start(r["handle"]["pid"])]
     resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     return {
         "spec": spec,
@@ -155,6 +163,7 @@ def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_res
     # each trial started once: launched, or found running when the kill fell between its launch and its record
     starts = [line for line in (k["first_log"] + out.stdout).splitlines() if ": launched, pid" in line]
     starts += [line for line in out.stdout.splitlines() if ": found running, pid" in line]
+    starts = [line for line in starts if not line.split()[0].startswith("c-")]  # the confirmation's runs
     assert sorted(line.split()[0] for line in starts) == [f"t{i:03d}" for i in range(6)], starts
 
     from mlflow.tracking import MlflowClient
@@ -181,6 +190,46 @@ def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_res
     assert len(study.trials) == 6 and sorted(t.params["schedule"] for t in study.trials) == sorted(SCHEDULES)
 
 
+def test_confirmation_runs_the_best_schedule_and_uniform_over_seeds_and_compares_them(killed_and_resumed):
+    out, state, folder = killed_and_resumed["resumed"], killed_and_resumed["state"], killed_and_resumed["folder"]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    complete = [r for r in state["runs"].values() if r["kind"] == "trial" and r["status"] == "complete"]
+    best = min(complete, key=lambda r: r["final_val"])["schedule"]  # top_k 1
+    confirm = [r for r in state["runs"].values() if r["kind"] == "confirm"]
+
+    def setting(r: dict, key: str) -> str:
+        return next(o.split("=", 1)[1] for o in reversed(r["overrides"]) if o.startswith(key + "="))
+
+    ran = sorted((setting(r, "run.arm"), setting(r, "schedule.heads"), setting(r, "run.seed")) for r in confirm)
+    assert ran == [("prism", best, "1"), ("prism", best, "2"), ("uniform", "12x8", "1"), ("uniform", "12x8", "2")]
+    assert [r["status"] for r in confirm] == ["complete"] * 4, [(r["key"], r["status"]) for r in confirm]
+    # each run its own folder (the marker a driver finds a process by, its exit record, its log): a seed
+    # that shared its arm's folder was taken for the other seed's running process and never started
+    assert len({r["folder"] for r in confirm}) == len({r["marker"] for r in confirm}) == 4
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny-search-confirm")
+    runs = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("kind") == "train"]
+    assert sorted(r.info.run_name for r in runs) == [
+        "prism-tiny-s1",
+        "prism-tiny-s2",
+        "uniform-tiny-s1",
+        "uniform-tiny-s2",
+    ]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    # prism compare's table over them: the prism row against uniform, with a 95 % interval and a p-value
+    import csv
+
+    rows = list(csv.DictReader((folder / "confirm" / "compare" / "comparison.csv").open()))
+    assert sorted((r["arm"], r["runs"]) for r in rows) == [("prism", "2"), ("uniform", "2")], rows
+    [prism] = [r for r in rows if r["arm"] == "prism"]
+    low, high, p = float(prism["delta_ci95_low"]), float(prism["delta_ci95_high"]), float(prism["delta_p_value"])
+    assert low < float(prism["delta_vs_uniform"]) < high and 0 <= p <= 1, prism
+    assert "## Arms comparison: tiny-search-confirm" in out.stdout and "[95 % CI]" in out.stdout
+
+
 def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("config: configs/tiny_prism.yaml\nspace: {schedules: all-valid}\nrungs: {min_tokens: 0}\n")
@@ -194,3 +243,88 @@ def test_bad_search_spec_is_one_line_with_its_place_and_exit_2(tmp_path):
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"{spec}:3:8: rungs.reduction_factor is missing" in out.stderr, out.stderr
+
+
+def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_nothing_running(
+    slurm_cluster, mlflow_server, tiny_data, tmp_path
+):
+    """The same tiny search on the two-node Slurm cluster, each trial a submitit job, its driver killed once
+    and resumed: a pruned trial is scancel'ed through submitit and its job ends CANCELLED after `prism train`
+    wrote its checkpoint; a job running at the kill is found again, not submitted twice."""
+    spec = _spec(
+        tmp_path,
+        tiny_data,
+        name="slurm-search",
+        executor="slurm",
+        more_overrides=(f"tracking.uri={mlflow_server.url}",),
+        nproc_per_node="1",
+        slurm="{cpus_per_task: 1, timeout_min: 10, signal_delay_s: 60}",
+    )
+    folder = tmp_path / "search"
+    cmd = [sys.executable, "-m", "pipeline.cli", "search", str(spec), "--poll-s", "0.5"]
+    t0 = time.monotonic()
+    # the driver SIGKILLed once a trial ended while another's job runs, then resumed: the job is found again
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    while time.monotonic() - t0 < 240 and first.poll() is None:
+        runs = _state(folder)["runs"].values()
+        if any(r["status"] in search.FINAL for r in runs) and any(r["status"] == "running" for r in runs):
+            break
+        time.sleep(0.2)
+    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    at_kill = {k: r["handle"] for k, r in _state(folder)["runs"].items() if r["status"] == "running"}
+    out = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=420)
+    print(f"slurm search: {time.monotonic() - t0:.1f} s\n{out.stdout}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    state = _state(folder)
+    assert at_kill and all(state["runs"][k]["handle"] == job for k, job in at_kill.items())
+    trials = [r for r in state["runs"].values() if r["kind"] == "trial"]
+    assert sorted(r["schedule"] for r in trials) == sorted(SCHEDULES)
+    pruned = [r for r in trials if r["status"] == "pruned"]
+    complete = [r for r in trials if r["status"] == "complete"]
+    assert pruned and complete and len(pruned) + len(complete) == 6, [(r["key"], r["status"]) for r in trials]
+    jobs = {r["key"]: r["handle"]["job_id"] for r in trials}
+    # one job per trial, none submitted twice: submitit keeps a folder per job it submitted
+    submitted = sorted(p.name for p in (folder / "submitit").iterdir() if p.is_dir())
+    assert submitted == sorted(jobs.values()), (submitted, jobs)
+    for r in pruned:  # cancelled, after the trainer checkpointed at the step the stop landed on
+        assert slurm_cluster.sacct(jobs[r["key"]]) == "CANCELLED", r
+        ckpt = Path(r["checkpoint_dir"])
+        assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
+        assert int(r["checkpoints"][-1].split("-")[1]) < 12, r
+        finish = [x for x in search.read_journal(r) if x["op"] == "finish"]
+        assert finish and finish[-1]["status"] == "KILLED", (r["key"], finish)
+    for r in complete:
+        assert slurm_cluster.sacct(jobs[r["key"]]) == "COMPLETED", r
+        assert r["tokens"] == 12288 and r["checkpoints"][-1] == "step-0000012"
+    # nothing left: no job queued or running, no srun/torchrun/trainer naming the search's folder
+    assert all(slurm_cluster.state(job) == "" for job in jobs.values())
+    deadline = time.monotonic() + 35  # a cancelled job's steps are SIGKILLed after KillWait (30 s) at worst
+    while _processes_in(folder) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_in(folder) == []
+
+    import optuna
+    from mlflow.tracking import MlflowClient
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    study = optuna.load_study(
+        study_name="slurm-search", storage=JournalStorage(JournalFileBackend(str(folder / search.OPTUNA_FILE)))
+    )
+    lowest = min(complete, key=lambda r: r["final_val"])
+    assert study.best_trial.number == lowest["trial"]
+    assert len(study.trials) == 6
+    client = MlflowClient(mlflow_server.url)
+    runs = client.search_runs([client.get_experiment_by_name("slurm-search").experiment_id], max_results=100)
+    [parent] = [r for r in runs if r.data.tags.get("kind") == "search"]
+    children = [r for r in runs if r.data.tags.get("kind") == "train"]
+    # one MLflow run per trial, the kill notwithstanding, each a child of the search's one parent run
+    assert sorted(r.data.tags["search.trial"] for r in children) == [str(i) for i in range(6)]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    history = client.get_metric_history(search.run_id_of(lowest), "val/loss")
+    assert max(history, key=lambda m: m.step).value == pytest.approx(study.best_value)
+    finals = {r["key"]: r["final_val"] for r in complete}
+    assert f"Best: {lowest['key']} {lowest['schedule']}" in out.stdout, finals

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import search
+from pipeline import schedule, search
 from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,8 @@ def test_bad_spec_is_one_line_naming_the_place(tmp_path, text, where, want):
 
 def test_schedules_filters_and_rungs(tmp_path):
     spec = _load(tmp_path, GOOD.replace("all-valid", "{stages: 3, min_heads: [2, 3]}").replace("trials: 8", ""))
-    assert spec.schedules and all(len(search.schedule.stages(search.schedule.parse(s))) == 3 for s in spec.schedules)
-    assert {min(search.schedule.parse(s)) for s in spec.schedules} == {2, 3}
+    assert spec.schedules and all(len(schedule.stages(schedule.parse(s))) == 3 for s in spec.schedules)
+    assert {min(schedule.parse(s)) for s in spec.schedules} == {2, 3}
     assert spec.trials == len(spec.schedules)  # the grid: each schedule once by default
     assert spec.rungs.points == [4096, 8192, 16384]
     assert search.val_every(spec) == 2  # gcd(val_every 32, the first rung's 2 steps of 2048): a val at every rung

@@ -1,0 +1,198 @@
+"""What the search shows and keeps: the console's one-line summary, the MLflow parent run with the trials as
+its children, and the results (a markdown and CSV table, a plot of val loss per trial) logged to it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import write_atomic
+from pipeline.search.runs import run_id_of, tokens_trained, val_losses
+from pipeline.search.spec import SearchSpec
+
+
+def summary(spec: SearchSpec, state: Any, t0: float) -> str:
+    trials = [r for r in state.runs.values() if r["kind"] == "trial"]
+    count = {s: sum(r["status"] == s for r in trials) for s in ("running", "stopping", "pruned", "complete", "failed")}
+    spent = sum(tokens_trained(r, spec.base.train.batch_tokens) for r in trials)
+    grid = len(spec.schedules) * spec.rungs.full_tokens
+    complete = [r for r in trials if r["status"] == "complete"]
+    best = min(complete, key=lambda r: r["final_val"]) if complete else None
+    best_text = (
+        f"best {best['key']} {best['schedule']} val {best['final_val']:.4f}" if best else "best: none complete yet"
+    )
+    return (
+        f"  -- {len(trials)}/{spec.trials} trials: {count['running'] + count['stopping']} running, "
+        f"{count['pruned']} pruned, {count['complete']} complete, {count['failed']} failed | {best_text} | "
+        f"tokens {spent:,} of the full grid's {grid:,} ({spent / grid:.1%}) [{_elapsed(t0)}]"
+    )
+
+
+# --- MLflow: the parent run and its children -----------------------------------------------------------
+def parent_run(spec: SearchSpec, state: Any, uri: str, say: Any) -> None:
+    if state.data.get("parent_run_id"):
+        return
+    from pipeline.tracking import store
+    from pipeline.tracking.journal import Delivery, Journal
+
+    try:
+        delivery = Delivery(uri, spec.name, Journal(spec.folder))
+        run = store.client(uri).create_run(
+            delivery.experiment_id(),
+            run_name=f"search-{spec.name}",
+            tags={"kind": "search", "search": spec.name, "spec": str(spec.path)},
+        )
+        state.data["parent_run_id"] = run.info.run_id
+        state.save()
+    except Exception as e:  # noqa: BLE001 - a search never stops for tracking
+        say(f"  (MLflow parent run not created: {str(e).splitlines()[0][:160]}; trials still log)")
+
+
+def tag_children(spec: SearchSpec, state: Any, uri: str) -> None:
+    parent = state.data.get("parent_run_id")
+    if not parent:
+        return
+    from pipeline.tracking import store
+
+    for rec in state.runs.values():
+        if rec["kind"] != "trial" or rec.get("tagged"):
+            continue
+        run_id = run_id_of(rec)
+        if run_id is None:
+            continue
+        try:
+            client = store.client(uri)
+            for key, value in (
+                ("mlflow.parentRunId", parent),
+                ("search", spec.name),
+                ("search.trial", str(rec["trial"])),
+                ("mlflow.runName", f"{spec.name}-{rec['key']}"),
+            ):
+                client.set_tag(run_id, key, value)
+            rec["tagged"] = True
+            state.save()
+        except Exception:  # noqa: BLE001 - tried again at the next look
+            return
+
+
+# --- results: table, plot, logged to the parent run ---------------------------------------------------
+def results(spec: SearchSpec, state: Any, uri: str, say: Any) -> list[dict[str, Any]]:
+    trials = sorted((r for r in state.runs.values() if r["kind"] == "trial"), key=lambda r: r["trial"])
+    points = spec.rungs.points
+    head = ["trial", "schedule", "lr", "state", "rungs reached", *[f"val @ {t:,}" for t in points], "tokens"]
+    rows = []
+    for r in trials:
+        r["tokens"] = tokens_trained(r, spec.base.train.batch_tokens)
+        vals = [r.get("rungs", {}).get(str(t)) for t in points[:-1]] + [r.get("final_val")]
+        reached = sum(v is not None for v in vals)
+        rows.append(
+            [
+                r["key"],
+                r["schedule"],
+                f"{r['lr']:.2e}" if r.get("lr") is not None else "base",
+                r["status"],
+                f"{reached}/{len(points)}",
+                *[f"{v:.4f}" if v is not None else "" for v in vals],
+                f"{r.get('tokens', 0):,}",
+            ]
+        )
+    table = "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(row) + " |" for row in rows]
+    )
+    spent = sum(r.get("tokens", 0) for r in trials)
+    grid = len(spec.schedules) * spec.rungs.full_tokens
+    complete = [r for r in trials if r["status"] == "complete"]
+    best = min(complete, key=lambda r: r["final_val"]) if complete else None
+    text = (
+        f"## Search {spec.name}\n\n{table}\n\n"
+        f"Tokens trained: {spent:,} against {grid:,} for the full grid ({spent / grid:.1%}). "
+        + (
+            f"Best: {best['key']} {best['schedule']} (val {best['final_val']:.4f}).\n"
+            if best
+            else "No trial completed.\n"
+        )
+    )
+    out = spec.folder
+    write_atomic(out / "results.md", text)
+    write_atomic(
+        out / "results.csv", "\n".join(",".join(c.replace(",", ";") for c in row) for row in [head, *rows]) + "\n"
+    )
+    paths = [out / "results.md", out / "results.csv", plot(spec, uri, trials)]
+    say(text)
+    for p in paths:
+        say(f"wrote {p}")
+    log_results(spec, state, uri, say, paths, best, spent, grid)
+    return complete
+
+
+def plot(spec: SearchSpec, uri: str, trials: list[dict[str, Any]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = spec.base.train.batch_tokens
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for r in trials:
+        values, _ = val_losses(r, uri)
+        steps = sorted(values)
+        style = "-" if r["status"] == "complete" else "--"
+        ax.plot(
+            [s * batch for s in steps],
+            [values[s] for s in steps],
+            style,
+            marker="o",
+            ms=3,
+            label=f"{r['key']} {r['schedule']} ({r['status']})",
+        )
+    for t in spec.rungs.points:
+        ax.axvline(t, color="grey", lw=0.6)
+    ax.set(
+        xlabel="training tokens",
+        ylabel="validation loss (nats/token)",
+        title=f"search {spec.name}: val loss per trial (grey: rungs)",
+    )
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    path = spec.folder / "results.png"
+    fig.tight_layout()
+    tmp = path.with_name("results.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def log_results(
+    spec: SearchSpec,
+    state: Any,
+    uri: str,
+    say: Any,
+    paths: list[Path],
+    best: dict[str, Any] | None,
+    spent: int,
+    grid: int,
+) -> None:
+    parent = state.data.get("parent_run_id")
+    if not parent:
+        return
+    from pipeline.tracking import store
+
+    try:
+        client = store.client(uri)
+        for p in paths:
+            client.log_artifact(parent, str(p), "search")
+        client.log_metric(parent, "search/tokens", spent)
+        client.log_metric(parent, "search/grid_tokens", grid)
+        if best:
+            client.log_metric(parent, "search/best_val", best["final_val"])
+            client.set_tag(parent, "best_schedule", best["schedule"])
+        client.set_terminated(parent)
+    except Exception as e:  # noqa: BLE001
+        say(f"  (results not logged to MLflow: {str(e).splitlines()[0][:160]}; they are in {spec.folder})")
+
+
+def _elapsed(t0: float) -> str:
+    s = int(time.monotonic() - t0)
+    return f"{s // 60} min {s % 60:02d} s"

@@ -1,0 +1,319 @@
+"""The search spec: read and checked field by field (one line with its YAML line and column on a bad field),
+and what every run of the search is (its overrides: own folder, the shared store and data, the full budget's
+LR schedule with a validation at every rung)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from launchers import sweep
+from launchers.spec import SpecFile, check_slurm_section, is_int
+from pipeline import config, schedule
+from pipeline.config import ConfigError
+
+SPEC_KEYS = (
+    "name",
+    "config",
+    "overrides",
+    "folder",
+    "space",
+    "rungs",
+    "trials",
+    "concurrency",
+    "sampler",
+    "pruner",
+    "seed",
+    "executor",
+    "nproc_per_node",
+    "slurm",
+    "confirm",
+)
+SPACE_KEYS = ("schedules", "lr")
+FILTER_KEYS = ("stages", "min_heads")
+RUNG_KEYS = ("min_tokens", "reduction_factor", "full_tokens")
+CONFIRM_KEYS = ("top_k", "seeds")
+SAMPLERS = ("grid", "tpe", "random")
+PRUNERS = ("asha", "hyperband")
+STATE_FILE = "search.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rungs:
+    min_tokens: int
+    reduction_factor: int
+    full_tokens: int
+
+    @property
+    def points(self) -> list[int]:
+        """Tokens at every rung, the full budget last: min, min*eta, ..., full."""
+        out = [self.min_tokens]
+        while out[-1] < self.full_tokens:
+            out.append(out[-1] * self.reduction_factor)
+        return out
+
+
+@dataclasses.dataclass
+class SearchSpec:
+    path: Path
+    name: str
+    config_path: Path
+    overrides: list[str]
+    folder: Path
+    schedules: list[str]
+    schedules_from: str  # how the list was made, for the console
+    lr: tuple[float, float] | None
+    rungs: Rungs
+    trials: int
+    concurrency: int
+    sampler: str
+    pruner: str
+    seed: int
+    executor: str
+    nproc_per_node: int
+    slurm: dict[str, Any]
+    confirm_top_k: int
+    confirm_seeds: int
+    base: config.Config  # the base config with the spec's overrides
+
+
+# --- the spec -------------------------------------------------------------------------------------------
+def load_spec(path: str | Path) -> SearchSpec:
+    """Read and check a search spec, field by field: a bad one is one line with its line and column."""
+    doc = SpecFile(path, "search spec", SPEC_KEYS)
+    spec = doc.data
+
+    def positive_int(key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = doc.value(key)
+        if value is None and default is not None:
+            return default
+        if not (is_int(value) and value >= minimum):
+            raise doc.bad(key, f"must be an integer >= {minimum}")
+        return value
+
+    def mapping(key: str, keys: tuple[str, ...], required: bool) -> dict[str, Any]:
+        value = doc.value(key)
+        if value is None and not required:
+            return {}
+        if not isinstance(value, dict):
+            raise doc.bad(key, f"must be a mapping of {', '.join(keys)}")
+        unknown = sorted(str(k) for k in value if k not in keys)
+        if unknown:
+            raise doc.error(f"{key}.{unknown[0]}", f"unknown key {key}.{unknown[0]}; allowed: {', '.join(keys)}", True)
+        return value
+
+    for key in ("name", "folder", "config"):
+        if key in spec and not (isinstance(spec[key], str) and spec[key]):
+            raise doc.bad(key, "must be a non-empty string")
+    if "config" not in spec:
+        raise doc.error("config", "config is missing: a preset such as configs/tiny_prism.yaml (or prism_124m)")
+    config_path = resolve_config(spec["config"], doc.path.parent)
+    if config_path is None:
+        raise doc.bad("config", "no such YAML: give a path (relative to this spec or the cwd) or a preset name")
+    overrides = spec.get("overrides")
+    if not (overrides is None or isinstance(overrides, dict | list)):
+        raise doc.bad("overrides", "use a mapping {dotted.key: value} or a list of 'dotted.key=value' strings")
+    overrides = sweep._override_list(overrides)
+    try:
+        base = config.load(config_path, overrides)
+    except ConfigError as e:
+        raise doc.error("overrides" if overrides else "config", f"the base config does not load: {e}") from None
+    if base.run.arm != "prism":
+        raise doc.bad("config", "a schedule search needs a prism-arm config (the uniform arm has one schedule)")
+    if not base.tracking.enabled:
+        raise doc.error("overrides", "tracking.enabled is false: the search reads its trials' val loss from tracking")
+
+    space = mapping("space", SPACE_KEYS, required=True)
+    schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", sweep.ALL_VALID))
+    lr = None
+    if space.get("lr") is not None:
+        bounds = mapping("space.lr", ("low", "high"), required=True)
+        low, high = bounds.get("low"), bounds.get("high")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (low, high)):
+            raise doc.bad("space.lr", "give positive numbers low and high, e.g. {low: 3.0e-4, high: 3.0e-3}")
+        if not low < high:
+            raise doc.bad("space.lr", "low must be below high")
+        lr = (float(low), float(high))
+
+    mapping("rungs", RUNG_KEYS, required=True)
+    for key in RUNG_KEYS:
+        if key not in spec["rungs"]:
+            raise doc.error("rungs", f"rungs.{key} is missing; rungs need {', '.join(RUNG_KEYS)}")
+    rungs = Rungs(
+        positive_int("rungs.min_tokens"),
+        positive_int("rungs.reduction_factor", minimum=2),
+        positive_int("rungs.full_tokens"),
+    )
+    batch = base.train.batch_tokens
+    if rungs.min_tokens % batch:
+        raise doc.bad("rungs.min_tokens", f"must be a whole number of steps of train.batch_tokens={batch}")
+    if rungs.points[-1] != rungs.full_tokens or len(rungs.points) < 2:
+        below = rungs.points[-2] if len(rungs.points) > 1 else rungs.min_tokens
+        raise doc.bad(
+            "rungs.full_tokens",
+            f"must be min_tokens x reduction_factor^k with k >= 1 (e.g. {below:,} or {rungs.points[-1]:,})",
+        )
+
+    sampler = spec.get("sampler", "grid")
+    if sampler not in SAMPLERS:
+        raise doc.bad("sampler", f"use one of {', '.join(SAMPLERS)}")
+    trials = positive_int("trials", default=len(schedules) if sampler == "grid" else None)
+    if sampler == "grid" and trials > len(schedules):
+        raise doc.bad("trials", f"the grid sampler has {len(schedules)} schedules to try; ask for at most that")
+    pruner = spec.get("pruner", "asha")
+    if pruner not in PRUNERS:
+        raise doc.bad("pruner", f"use {' or '.join(PRUNERS)}")
+    if spec.get("executor", "local") not in ("local", "slurm"):
+        raise doc.bad("executor", "use local or slurm")
+    if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
+        raise doc.bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
+    check_slurm_section(doc)
+    confirm = mapping("confirm", CONFIRM_KEYS, required=False)
+    top_k = positive_int("confirm.top_k", default=0) if confirm else 0
+    seeds = positive_int("confirm.seeds", default=3) if confirm else 0
+    if top_k > trials:
+        raise doc.bad("confirm.top_k", f"cannot exceed trials={trials}")
+    name = spec.get("name", doc.path.stem)
+    folder = Path(spec["folder"]) if "folder" in spec else Path(base.run.output_dir) / "searches" / name
+    return SearchSpec(
+        path=doc.path,
+        name=name,
+        config_path=config_path,
+        overrides=overrides,
+        folder=folder.expanduser().resolve(),
+        schedules=schedules,
+        schedules_from=schedules_from,
+        lr=lr,
+        rungs=rungs,
+        trials=trials,
+        concurrency=positive_int("concurrency", default=1),
+        sampler=sampler,
+        pruner=pruner,
+        seed=positive_int("seed", default=0, minimum=0),
+        executor=spec.get("executor", "local"),
+        nproc_per_node=int(spec.get("nproc_per_node", 0)),
+        slurm=dict(spec.get("slurm") or {}),
+        confirm_top_k=top_k,
+        confirm_seeds=seeds,
+        base=base,
+    )
+
+
+def resolve_config(text: str, spec_dir: Path) -> Path | None:
+    """A YAML path (relative to the spec, then the cwd) or a preset name (``prism_124m`` -> configs/prism_124m.yaml)."""
+    for candidate in (spec_dir / text, Path(text), sweep.ROOT / "configs" / f"{text}.yaml", sweep.ROOT / text):
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def expand_schedules(doc: SpecFile, base: config.Config, value: Any) -> tuple[list[str], str]:
+    """all-valid | {stages: N, min_heads: H} (all-valid, filtered) | an explicit list; each checked on the base."""
+    m = base.model
+    shape = f"d_model {m.d_model}, {m.num_layers} layers, h_base {m.h_base}, TP {base.parallel.tp}"
+    if value == sweep.ALL_VALID or isinstance(value, dict):
+        found = [
+            schedule.compact(h) for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
+        ]
+        how = f"all-valid for {shape}"
+        if isinstance(value, dict):
+            unknown = sorted(str(k) for k in value if k not in FILTER_KEYS)
+            if unknown:
+                raise doc.error(
+                    f"space.schedules.{unknown[0]}",
+                    f"unknown filter {unknown[0]!r}; allowed: {', '.join(FILTER_KEYS)}",
+                    True,
+                )
+            for key in FILTER_KEYS:
+                if key not in value:
+                    continue
+                wanted = value[key] if isinstance(value[key], list) else [value[key]]
+                if not wanted or not all(is_int(w) and w >= 1 for w in wanted):
+                    raise doc.bad(f"space.schedules.{key}", "must be a positive integer or a list of them")
+
+                def measure(s: str, key: str = key) -> int:
+                    heads = schedule.parse(s)
+                    return len(schedule.stages(heads)) if key == "stages" else min(heads)
+
+                found = [s for s in found if measure(s) in wanted]
+            how += ", " + ", ".join(f"{k} in {value[k]}" for k in FILTER_KEYS if k in value)
+        if not found:
+            raise doc.bad("space.schedules", f"no valid schedule of {shape} passes; loosen the filter")
+        return found, how
+    if not (isinstance(value, list) and value and all(isinstance(s, str) for s in value)):
+        raise doc.bad(
+            "space.schedules", f"use {sweep.ALL_VALID!r}, a filter {{stages: 3}} or a list of quoted schedules"
+        )
+    out = []
+    for text in value:
+        try:
+            heads = schedule.parse(text)
+            config.load(base.source, [*_base_overrides_of(base), f"schedule.heads={schedule.compact(heads)}"])
+        except (schedule.ScheduleError, ConfigError) as e:
+            raise doc.error("space.schedules", f"space.schedules: {text!r} does not fit the base config: {e}") from None
+        out.append(schedule.compact(heads))
+    if len(set(out)) != len(out):
+        raise doc.bad("space.schedules", "lists a schedule twice")
+    return out, "listed"
+
+
+def _base_overrides_of(base: config.Config) -> list[str]:
+    """The model/parallel keys a listed schedule is checked against (the rest cannot make it invalid)."""
+    m = base.model
+    return [
+        f"model.d_model={m.d_model}",
+        f"model.num_layers={m.num_layers}",
+        f"model.h_base={m.h_base}",
+        f"model.ffn_hidden_size={m.ffn_hidden_size}",
+        f"model.seq_len={m.seq_len}",
+        f"parallel.tp={base.parallel.tp}",
+        f"train.batch_tokens={base.train.batch_tokens}",
+        f"train.micro_batch_size={base.train.micro_batch_size}",
+    ]
+
+
+# --- what every run of the search is --------------------------------------------------------------------
+def tracking_uri(spec: SearchSpec) -> str:
+    """All trials log to one store: the base config's, or ``<folder>/mlflow.db`` when it names none."""
+    from pipeline.tracking.store import resolve_uri
+
+    return resolve_uri(spec.base.tracking.uri, spec.folder)
+
+
+def _pathlike(value: str) -> str:
+    """Absolute when it is a local path that exists (trials may run from another cwd, e.g. a Slurm job)."""
+    return str(Path(value).resolve()) if "://" not in value and Path(value).exists() else value
+
+
+def run_overrides(spec: SearchSpec, folder: Path, experiment: str, extra: list[str]) -> list[str]:
+    """The overrides of one run of the search: the spec's, its own folder, the shared store and data."""
+    d = spec.base.data
+    return [
+        *spec.overrides,
+        f"data.dataset_dir={Path(d.dataset_dir).resolve()}",
+        f"data.tokenizer={_pathlike(d.tokenizer)}",
+        f"data.input={_pathlike(d.input)}",
+        f"run.output_dir={folder}",
+        f"tracking.uri={tracking_uri(spec)}",
+        f"tracking.experiment={experiment}",
+        f"train.train_tokens={spec.rungs.full_tokens}",
+        *extra,
+    ]
+
+
+def val_every(spec: SearchSpec) -> int:
+    """Validate at every rung: a step count dividing the first rung's (and so every rung's)."""
+    return math.gcd(spec.base.train.val_every, spec.rungs.min_tokens // spec.base.train.batch_tokens)
+
+
+def trial_overrides(spec: SearchSpec, number: int, sched: str, lr: float | None) -> list[str]:
+    extra = [f"schedule.heads={sched}", f"train.val_every={val_every(spec)}"]
+    if lr is not None:
+        extra.append(f"train.lr={lr!r}")
+    return run_overrides(spec, spec.folder / "trials" / trial_key(number), spec.name, extra)
+
+
+def trial_key(number: int) -> str:
+    return f"t{number:03d}"
