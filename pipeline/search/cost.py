@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import config
+from pipeline.console import duration
 from pipeline.search.spec import SearchSpec, trial_overrides
 
 
@@ -60,7 +61,7 @@ def dry_run(spec: SearchSpec, mfu: float = 0.4, peak_flops: float | None = None)
             f"  GPU hours    search ~{search * per_token:,.1f}, full grid {grid * per_token:,.1f}"
             + (f", confirmation {confirm_runs * r.full_tokens * per_token:,.1f}" if confirm_runs else "")
             + f" at MFU {mfu:.0%} of {budget.peak_flops / 1e12:,.0f} TFLOP/s ({budget.flops_per_token:,} FLOPs/token, "
-            f"prism plan); one trial: {_hours(budget.wall_seconds)} on {budget.world} GPU(s)"
+            f"prism plan); one trial: {duration(budget.wall_seconds)} on {budget.world} GPU(s)"
         )
     return "\n".join(lines)
 
@@ -71,8 +72,3 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def _hours(seconds: float) -> str:
-    h, rest = divmod(round(seconds), 3600)
-    return f"{h}h {rest // 60:02d}m" if h else f"{rest // 60}m {rest % 60:02d}s"

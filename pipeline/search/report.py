@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import write_atomic
+from pipeline.console import duration
 from pipeline.search.runs import run_id_of, tokens_trained, val_losses
 from pipeline.search.spec import SearchSpec
 
@@ -25,7 +26,7 @@ def summary(spec: SearchSpec, state: Any, t0: float) -> str:
     return (
         f"  -- {len(trials)}/{spec.trials} trials: {count['running'] + count['stopping']} running, "
         f"{count['pruned']} pruned, {count['complete']} complete, {count['failed']} failed | {best_text} | "
-        f"tokens {spent:,} of the full grid's {grid:,} ({spent / grid:.1%}) [{_elapsed(t0)}]"
+        f"tokens {spent:,} of the full grid's {grid:,} ({spent / grid:.1%}) [{duration(time.monotonic() - t0)}]"
     )
 
 
@@ -191,8 +192,3 @@ def log_results(
         client.set_terminated(parent)
     except Exception as e:  # noqa: BLE001
         say(f"  (results not logged to MLflow: {str(e).splitlines()[0][:160]}; they are in {spec.folder})")
-
-
-def _elapsed(t0: float) -> str:
-    s = int(time.monotonic() - t0)
-    return f"{s // 60} min {s % 60:02d} s"
