@@ -118,9 +118,8 @@ BF16 = "train.precision=bf16"
 # How close the bf16 run after the change comes to the uninterrupted DP=2 run's: to fp32 reduction order,
 # because gradients are summed and all-reduced in fp32 (train.deepspeed_config). Measured (steps 4-6 loss and
 # grad norm, val), through DeepSpeed's universal checkpoint: DP=1 and DP=4 grad norms equal, loss within
-# 6.0e-08 (step 6), val 4.5e-08 (the hand-written partition merge this replaced: all equal but val +1.5e-08
-# at DP=4). With DeepSpeed's default bf16 all-reduce
-# they drifted by up to 4.4e-04 (val), and a resume that loses the AdamW moments misses by 1.9e-02 at step 5.
+# 6.0e-08 (step 6), val 4.5e-08; the hand-written partition merge this replaced gave the same numbers on the
+# same code. With DeepSpeed's default bf16 all-reduce they drifted by up to 4.4e-04 (val), and a resume that loses the AdamW moments misses by 1.9e-02 at step 5.
 # One that keeps bf16-rounded fp32 masters misses by 1.0e-04; test_bf16_elastic_load_joins_the_saved_partitions
 # also checks the masters directly.
 BF16_REL = 1e-6
