@@ -12,7 +12,8 @@ only from DP rank 0, so the per-rank parts of the train state (loader position, 
 every rank first and stored as one list indexed by global rank.
 
 This module alone knows that layout: the trainer saves and loads a TrainState, readers (inference) get
-weights through resolve_tag_dir and read_weights.
+weights through resolve_tag_dir and read_weights. A load at another TP or DP size than the save goes through
+pipeline.reshard (DeepSpeed's universal checkpoint).
 """
 
 from __future__ import annotations

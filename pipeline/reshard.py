@@ -97,12 +97,15 @@ def to_universal(tag_dir: Path, out: Path, saved: Config, now: Config) -> None:
     if done is not None and done.returncode == 0:
         return
     shutil.rmtree(out, ignore_errors=True)
+    if out.parent.is_dir() and not any(out.parent.iterdir()):
+        out.parent.rmdir()
     if done is not None:
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         cause = lines[-1] if lines else f"exit {done.returncode}"
     raise ConfigError(
         f"{tag_dir}: converting it to DeepSpeed's universal checkpoint (to resume at another TP or DP size) "
-        f"failed: {cause}; free space in {out.parent}, or resume with the sizes it was saved at"
+        f"failed: {cause}; resume at the sizes it was saved at (parallel.tp={saved.parallel.tp}), or if the disk "
+        f"is full, free space in {out.parent}"
     )
 
 

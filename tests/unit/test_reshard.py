@@ -140,3 +140,19 @@ def test_a_tp_change_needs_zero_partitions_and_says_so_in_one_line(tmp_path):
     line = str(refused.value)
     assert "\n" not in line and "cannot resume at parallel.tp=2, the checkpoint was written at parallel.tp=1" in line
     assert "needs parallel.zero_stage 1 or 2 (saved at 0, this run 0)" in line and "resume with parallel.tp=1" in line
+
+
+def test_a_failed_conversion_is_one_line_and_leaves_nothing(tmp_path):
+    from pipeline import reshard
+
+    cfg = config.load(TINY)
+    tag = tmp_path / "checkpoints" / checkpoint.tag_for(3)
+    tag.mkdir(parents=True)  # no DeepSpeed files at all
+    out = tmp_path / "checkpoints" / checkpoint.UNIVERSAL / tag.name
+    with pytest.raises(ConfigError) as failed:
+        reshard.to_universal(tag, out, cfg, cfg)
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith(f"{tag}: converting it to DeepSpeed's universal checkpoint")
+    assert "can't find *_optim_states.pt files" in line  # DeepSpeed's own last line names the cause
+    assert line.endswith(f"free space in {out.parent}")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [tag.name]
