@@ -12,7 +12,12 @@ only from DP rank 0, so the per-rank parts of the train state (loader position, 
 every rank first and stored as one list indexed by global rank.
 
 This module alone knows that layout: the trainer saves and loads a TrainState, readers (inference) get
-weights through resolve_tag_dir and read_weights.
+weights through resolve_tag_dir and read_weights. A load at another TP or DP size than the save goes through
+pipeline.reshard (DeepSpeed's universal checkpoint).
+
+It is longer than the other modules because it is one contract: the file names, the integrity record, the
+choice of tag to resume and the policy of what a resume may change all read the same layout; the parts that
+are not about that layout (the TP re-split, the key sets) live in pipeline.reshard and config.resume_keys.
 """
 
 from __future__ import annotations
@@ -35,16 +40,6 @@ LATEST = "latest"
 CONFIG_NAME = "config.yaml"
 INTEGRITY = "integrity.json"  # {"files": {name: {"size", "sha256"}}, "step", "tp", "dp_size", "world_size"}
 MODEL_STATES = "mp_rank_00_model_states.pt"  # TP rank 0's weights; TP=N writes mp_rank_00 .. mp_rank_N-1
-
-
-def zero_optimizer_file(tp_rank: int, dp_rank: int, bf16: bool) -> str:
-    """DeepSpeed's file for the ZeRO optimizer state of one (DP rank, TP rank); bf16 runs prefix ``bf16_``."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
-
-
-def zero_optimizer_files(tag_dir: Path, tp_rank: int, dp_size: int, bf16: bool) -> list[Path]:
-    """One TP rank's optimizer files of a save at ``dp_size``, in DP-rank order (compat's elastic merge reads them)."""
-    return [Path(tag_dir) / zero_optimizer_file(tp_rank, r, bf16) for r in range(dp_size)]
 
 
 def tag_for(step: int) -> str:
@@ -173,6 +168,7 @@ class Resume:
     step: int = 0
     finished: bool = False
     saved_dp_size: int | None = None
+    saved_tp: int | None = None
     damaged: list[str] = field(default_factory=list)  # newer tags passed over, "<tag>: <what is wrong>" each
 
 
@@ -194,7 +190,7 @@ def check_writable(folder: Path) -> None:
 def resume_point(cfg: Config) -> Resume:
     """Decide how ``cfg`` starts, before anything expensive: fresh, resume from the newest intact checkpoint
     (falling back past damaged ones, saying so), a no-op for a finished run, or a one-line refusal (nothing
-    intact, a changed plan, an unsupported change of layout). Every rank calls it (hash checks are shared)."""
+    intact, a changed recipe, an unsupported change of layout). Every rank calls it (hash checks are shared)."""
     ckpt_dir = Path(cfg.checkpoint_dir)
     check_writable(ckpt_dir)
     pointer = ckpt_dir / LATEST
@@ -231,7 +227,8 @@ def resume_point(cfg: Config) -> Resume:
             f"start the run over, or write an intact tag's name into {pointer}"
         )
     resume = Resume(tag=chosen, step=_tag_step(chosen), damaged=damaged)
-    resume.saved_dp_size = (read_integrity(ckpt_dir / chosen) or {}).get("dp_size")
+    record = read_integrity(ckpt_dir / chosen) or {}
+    resume.saved_dp_size, resume.saved_tp = record.get("dp_size"), record.get("tp")
     resume.finished = resume.step >= cfg.steps(1)["total"]
     _, world = _world()
     dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
@@ -248,15 +245,21 @@ def _legacy_problem(tag_dir: Path) -> str | None:
 
 
 # --- the resume policy: may this checkpoint continue as this config, here -----------------------------------
-# ZeRO stages whose optimizer partitions `load` merges and re-splits at another data-parallel size (bf16 at
-# stage 1 runs DeepSpeed's BF16_Optimizer, every other combination its ZeRO optimizer; both are handled).
+# ZeRO stages whose optimizer partitions `load` re-splits at another TP or DP size (pipeline.reshard, through
+# DeepSpeed's universal checkpoint: its BF16_Optimizer of bf16 at stage 1 and its ZeRO optimizer otherwise).
 ELASTIC_ZERO_STAGES = (1, 2)
+
+
+def reshards(saved_tp: int | None, saved_dp: int | None, tp: int, dp: int) -> bool:
+    """Whether a checkpoint saved at (saved_tp, saved_dp) loads at (tp, dp) through pipeline.reshard (None:
+    not recorded, an older checkpoint: taken as unchanged). The trainer builds its engine for it."""
+    return (saved_tp or tp, saved_dp or dp) != (tp, dp)
 
 
 def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: int | None) -> None:
     """The one resume policy, decided before any weights load; refuses in one line naming the key:
     - a change of the model or the data (config.MODEL_OR_DATA_KEYS; the layer spec included);
-    - a change of tensor-parallel size (weights and optimizer state are split per TP rank);
+    - a change of tensor-parallel size unless the ZeRO stage (saved and now) is in ELASTIC_ZERO_STAGES;
     - a change of the training recipe (config.RECIPE_KEYS) unless checkpoint.allow_changes names it;
     - a change of data-parallel size ``saved_dp`` -> ``dp`` unless the ZeRO stage is in ELASTIC_ZERO_STAGES
       (``dp`` None: nothing will train here, e.g. the run is finished; ``saved_dp`` None: not recorded)."""
@@ -272,13 +275,15 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
     now = cfg.to_dict()
     fresh = "start fresh in another folder (run.output_dir=... or checkpoint.dir=...)"
     changed = changed_keys(saved, now)
-    if "parallel.tp" in changed:  # before any weights load: say why, not just that it changed
+    stages = {_lookup(saved, "parallel.zero_stage"), cfg.parallel.zero_stage}
+    if "parallel.tp" in changed and not stages <= set(ELASTIC_ZERO_STAGES):  # say why, not just that it changed
         raise ConfigError(
             f"{saved_path}: cannot resume at parallel.tp={cfg.parallel.tp}, the checkpoint was written at "
-            f"parallel.tp={_lookup(saved, 'parallel.tp')}: its weights and optimizer state are split per "
-            f"tensor-parallel rank and resharding them is not supported (a data-parallel change is); resume with "
-            f"parallel.tp={_lookup(saved, 'parallel.tp')} or {fresh}"
+            f"parallel.tp={_lookup(saved, 'parallel.tp')}: re-splitting its weights and optimizer state for another "
+            f"tensor-parallel size needs parallel.zero_stage 1 or 2 (saved at {_lookup(saved, 'parallel.zero_stage')}, "
+            f"this run {cfg.parallel.zero_stage}); resume with parallel.tp={_lookup(saved, 'parallel.tp')} or {fresh}"
         )
+    changed = [k for k in changed if k != "parallel.tp"]  # pipeline.reshard re-splits it at load
     if changed:
         key = changed[0]
         raise ConfigError(
@@ -286,16 +291,16 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
             f"affects the model or data; restore it or {fresh}"
         )
     allowed = set(cfg.checkpoint.allow_changes)
-    plan = [
+    recipe = [
         k
         for k in changed_keys(saved, now, scope=RECIPE_KEYS)
         if not any(k == a or k.startswith(a + ".") for a in allowed)
     ]
-    if plan:
-        key = plan[0]
+    if recipe:
+        key = recipe[0]
         raise ConfigError(
             f"{saved_path}: cannot resume, {key} changed ({_lookup(saved, key)!r} -> {_lookup(now, key)!r}) and it "
-            f"changes the training plan; restore it, accept it with checkpoint.allow_changes=[{key}], or {fresh}"
+            f"changes the training recipe; restore it, accept it with checkpoint.allow_changes=[{key}], or {fresh}"
         )
     if saved_dp is None or dp is None or saved_dp == dp:
         return
@@ -469,47 +474,55 @@ def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(Path(checkpoint_dir) / old, ignore_errors=True)
 
 
+UNIVERSAL = ".universal"  # <checkpoint_dir>/.universal/<tag>: a tag converted for another TP/DP size, while it loads
+
+
 def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
     """Load tag into the engine and ``state`` (this rank's loader position and RNG states included); returns
     the data-parallel size it was saved at.
 
-    At another data-parallel size than the save (elastic resume, ZeRO 1/2, bf16 included): the module weights
-    load as usual, the optimizer's fp32 master weights and moments are merged from every saved partition and
-    re-split for the new DP size (pipeline.compat), the loader maps its position onto the new layout (data.ShardLoader)
-    and each rank takes the RNG states of the saved rank with its TP rank and DP rank modulo the old size."""
+    At another tensor- or data-parallel size than the save (ZeRO 1/2, bf16 included; the resume policy has
+    allowed it): the tag is converted to DeepSpeed's universal checkpoint (pipeline.reshard, on global rank 0)
+    and the engine, built with load_universal (reshards), loads its part of every weight, fp32 master and
+    AdamW moment from it. The loader maps its position onto the new DP layout (data.ShardLoader), and each
+    rank takes the RNG states of the saved rank with its DP rank modulo the old DP size and its TP rank modulo
+    the old TP size; after a TP change megatron's model-parallel RNG keeps this rank's own seeding (a copied
+    TP peer's stream would repeat that peer's dropout masks)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pipeline import compat
-
-    tp = cfg.parallel.tp
-    record = read_integrity(cfg.checkpoint_dir / tag) or {}
-    saved_dp = record.get("dp_size")
+    tp, tag_dir = cfg.parallel.tp, cfg.checkpoint_dir / tag
+    record = read_integrity(tag_dir) or {}
+    saved_tp, saved_dp = record.get("tp") or tp, record.get("dp_size")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    elastic = saved_dp is not None and saved_dp != dp
-    path, client = engine.load_checkpoint(
-        str(cfg.checkpoint_dir), tag=tag, load_lr_scheduler_states=False, load_optimizer_states=not elastic
-    )
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    load_dir = cfg.checkpoint_dir
+    resharded = reshards(saved_tp, saved_dp, tp, dp)
+    if resharded:
+        from pipeline import reshard
+
+        load_dir = reshard.converted(engine, cfg, tag_dir, config_file(tag_dir), cfg.checkpoint_dir / UNIVERSAL)
+    try:
+        path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
+    finally:
+        if resharded:
+            dist.barrier()  # every rank has read its part
+            if dist.get_rank() == 0:
+                shutil.rmtree(load_dir, ignore_errors=True)
     if path is None:
-        raise ConfigError(
-            f"{cfg.checkpoint_dir / tag}: DeepSpeed found no checkpoint files; delete the folder to restart"
-        )
-    if elastic:
-        tp_rank, bf16 = parallel_state.get_tensor_model_parallel_rank(), cfg.train.precision == "bf16"
-        compat.load_zero_partitions_at_new_dp(
-            engine, zero_optimizer_files(cfg.checkpoint_dir / tag, tp_rank, saved_dp, bf16)
-        )
+        raise ConfigError(f"{tag_dir}: DeepSpeed found no checkpoint files; delete the folder to restart")
     ranks = client["prism"]["ranks"]
-    saved_dp = saved_dp or len(ranks) // tp
-    if not elastic and len(ranks) != dist.get_world_size():
+    saved_dp = saved_dp or len(ranks) // saved_tp
+    if not resharded and len(ranks) != dist.get_world_size():
         raise ConfigError(
-            f"{cfg.checkpoint_dir / tag}: saved by {len(ranks)} processes, this run has {dist.get_world_size()}; "
+            f"{tag_dir}: saved by {len(ranks)} processes, this run has {dist.get_world_size()}; "
             f"resume with the same number of processes"
         )
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    source = (dp_rank % saved_dp) * tp + tp_rank  # megatron orders ranks TP-innermost
+    source = ranks[(dp_rank % saved_dp) * saved_tp + tp_rank % saved_tp]  # megatron orders ranks TP-innermost
+    if saved_tp != tp:
+        source = {**source, "rng": {k: v for k, v in source["rng"].items() if k != "megatron"}}
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
-    state.load_state_dict({**shared, **ranks[source]})
+    state.load_state_dict({**shared, **source})
     return saved_dp
 
 

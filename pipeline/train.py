@@ -92,7 +92,8 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
 
 
 # --- the engine ----------------------------------------------------------------------------------------
-def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int, load_universal: bool = False) -> dict[str, Any]:
+    """load_universal: the resume loads a checkpoint converted for another TP/DP size (pipeline.reshard)."""
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -113,10 +114,13 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int) -> dict[str, An
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "timers": {"throughput": {"enabled": False}},  # else a device synchronize in every forward and step
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     }
 
 
-def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tuple[Any, Any]:
+def build_engine(
+    cfg: Config, model: Any, grad_accum: int, dp_size: int, load_universal: bool = False
+) -> tuple[Any, Any]:
     from pipeline import compat
 
     deepspeed = compat.import_deepspeed()
@@ -126,7 +130,7 @@ def build_engine(cfg: Config, model: Any, grad_accum: int, dp_size: int) -> tupl
         model=model,
         optimizer=optimizer,
         mpu=compat.MegatronMpu(),
-        config=deepspeed_config(cfg, grad_accum, dp_size),
+        config=deepspeed_config(cfg, grad_accum, dp_size, load_universal),
     )
     compat.remove_host_syncs(engine.optimizer)  # DeepSpeed's step reads the grad norm on the host otherwise
     logging.getLogger(__name__).info("optimizer: %s", optimizer_stepped(engine, optimizer))
@@ -470,7 +474,10 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         from pipeline.export.hf import init_from
 
         init_from(model, cfg, cfg.train.init_from)
-    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size)
+    reshard = resume.tag is not None and checkpoint.reshards(
+        resume.saved_tp, resume.saved_dp_size, cfg.parallel.tp, dp_size
+    )
+    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size, load_universal=reshard)
     state = TrainState(loader=loader)
     if resume.tag:
         saved_dp = checkpoint.load(engine, cfg, resume.tag, state)
@@ -478,6 +485,11 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
             say(
                 f"prism train: elastic resume: {resume.tag} was saved at data-parallel size {saved_dp}, continuing "
                 f"at {dp_size} (same global batch; optimizer partitions re-split, data position mapped)"
+            )
+        if (resume.saved_tp or cfg.parallel.tp) != cfg.parallel.tp:
+            say(
+                f"prism train: tensor-parallel resume: {resume.tag} was saved at parallel.tp={resume.saved_tp}, "
+                f"continuing at {cfg.parallel.tp} (weights and optimizer state re-split)"
             )
 
     tracker = make_tracker(cfg, dist.get_rank())

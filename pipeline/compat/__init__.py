@@ -3,7 +3,7 @@
 - pipeline.compat.megatron: megatron-core's CUDA-only spots on a CPU torch, its RNG tracker states, the
   0.16 / 0.19 API differences, GPTModel's forward ending at the hidden states;
 - pipeline.compat.deepspeed: the adapters deepspeed.initialize needs, and the private DeepSpeed code Prism
-  copies (the sync-free optimizer step, the elastic partition merge) behind an exact version check.
+  copies (the sync-free optimizer step) behind an exact version check.
 
 Callers write ``from pipeline import compat; compat.X``: the names below are that interface.
 """
@@ -11,12 +11,8 @@ Callers write ``from pipeline import compat; compat.X``: the names below are tha
 from pipeline.compat.deepspeed import (
     DEEPSPEED_MIRRORED,
     MegatronMpu,
-    elastic_merge_problem,
     import_deepspeed,
-    load_bf16_partitions_at_new_dp,
-    load_zero_partitions_at_new_dp,
     remove_host_syncs,
-    reshard_flat_partitions,
     sync_free_bf16_step,
     zero_clip_without_host_reads,
 )
@@ -39,16 +35,12 @@ __all__ = [
     "MegatronMpu",
     "apply_cpu_shims",
     "cuda_available",
-    "elastic_merge_problem",
     "import_deepspeed",
-    "load_bf16_partitions_at_new_dp",
-    "load_zero_partitions_at_new_dp",
     "megatron_on_cpu",
     "model_parallel_rng_states",
     "output_layer_returns_hidden_states",
     "output_weight",
     "remove_host_syncs",
-    "reshard_flat_partitions",
     "self_attention_extra_kwargs",
     "set_model_parallel_rng_states",
     "sync_free_bf16_step",

@@ -77,22 +77,16 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: Config, like: dict[str, torch.Tens
 
 
 def gather_tp(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
-    """One TP=1 megatron state dict from the TP ranks' (rank order). Column-parallel weights (embedding,
-    QKV, fc1, output layer) are split over rows, row-parallel ones (attention output, fc2) over columns;
-    norms, and the attention of layers the plan replicates, are whole on every rank."""
+    """One TP=1 megatron state dict from the TP ranks' (rank order), joined as pipeline.model.tp_layout says
+    each weight is split (the vocab padding of the TP size kept)."""
+    from pipeline.model.tp_layout import join, tp_split
+
     if len(shards) == 1:
         return shards[0]
-    replicated = {f"decoder.layers.{p.number - 1}.self_attention." for p in cfg.layer_plan if p.replicated}
     out = {}
     for name, first in shards[0].items():
-        parts = [shard[name] for shard in shards]
-        if not isinstance(first, torch.Tensor) or first.dim() < 2 or any(name.startswith(r) for r in replicated):
+        if not isinstance(first, torch.Tensor):  # megatron's _extra_state entries
             out[name] = first
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            out[name] = torch.cat(parts, dim=1)
-        elif name.endswith("linear_fc1.weight"):  # each rank holds [its gate rows; its up rows]
-            gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
-            out[name] = torch.cat([*gates, *ups], dim=0)
         else:
-            out[name] = torch.cat(parts, dim=0)
+            out[name] = join([shard[name] for shard in shards], tp_split(name, cfg))
     return out

@@ -1,12 +1,12 @@
 """pipeline.compat: megatron-core 0.16.x / 0.19.x differences, and the copied DeepSpeed code behind its exact
 version check. That the model builds under each megatron (0.19's TransformerLayer passes name=) is shown by
 test_model.py, which both CI legs run; that the copied step equals DeepSpeed's own by
-tests/integration/test_host_sync.py, the partition merge by tests/integration/test_elastic_resume.py."""
+tests/integration/test_host_sync.py, the resume at another TP/DP size (DeepSpeed's universal checkpoint) by
+tests/integration/test_elastic_resume.py."""
 
 from __future__ import annotations
 
 import logging
-import types
 from pathlib import Path
 
 import pytest
@@ -20,19 +20,6 @@ pytestmark = pytest.mark.megatron_compat
 def test_an_unknown_argument_from_a_newer_megatron_is_an_error_naming_compat():
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['layer_spec_hint'\].*pipeline/compat/megatron.py"):
         compat.self_attention_extra_kwargs({"name": "decoder.layers.0.self_attention", "layer_spec_hint": 1})
-
-
-def test_flat_partitions_saved_at_one_dp_size_resplit_at_another_with_fresh_padding():
-    import torch
-
-    numel = 13  # DeepSpeed's bf16 layout: params flat, zeros to a multiple of 2 x DP, equal partitions
-    group = torch.arange(1.0, numel + 1)
-    saved = list(torch.cat([group, torch.zeros(3)]).chunk(2))  # DP=2: 16 elements, the last 3 padding
-    for dp, partition_size in ((1, 14), (3, 6), (4, 4)):  # 13 rounded up to 2, 6, 8
-        parts = [compat.reshard_flat_partitions(saved, numel, partition_size, r) for r in range(dp)]
-        assert all(p.numel() == partition_size for p in parts)
-        whole = torch.cat(parts)
-        assert torch.equal(whole[:numel], group) and not whole[numel:].any(), dp
 
 
 # --- the copied DeepSpeed code runs on the release it mirrors only ---------------------------------------
@@ -52,7 +39,6 @@ def bare(cls):
 def test_the_pin_is_the_mirrored_release():
     import re
     import tomllib
-    from pathlib import Path
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     pins = [r for r in project["dependencies"] if re.match(r"deepspeed\b", r)]
@@ -67,7 +53,6 @@ def test_on_the_mirrored_release_the_copied_step_is_installed(deepspeed_release,
     # it tries to install the copy, and the bare wrapper lacks what the copy reads
     with pytest.raises(RuntimeError, match=r"compat/deepspeed.py sync_free_bf16_step: .* lacks"):
         compat.remove_host_syncs(bare(BF16_Optimizer))
-    assert compat.elastic_merge_problem() is None
 
 
 def test_on_another_release_deepspeeds_own_step_runs_with_one_warning(deepspeed_release, caplog):
@@ -85,24 +70,6 @@ def test_on_another_release_deepspeeds_own_step_runs_with_one_warning(deepspeed_
     assert "DeepSpeed 0.19.9 is installed" in lines[0] and f"deepspeed=={compat.DEEPSPEED_MIRRORED}" in lines[0]
 
 
-def saved_files(dp_size: int) -> list:
-    from pipeline.checkpoint import zero_optimizer_files
-
-    return zero_optimizer_files(Path("/ckpt/step-0000003"), tp_rank=0, dp_size=dp_size, bf16=False)
-
-
-def test_on_another_release_the_partition_merge_refuses_in_one_line(deepspeed_release):
-    deepspeed_release("0.20.0")
-    engine = types.SimpleNamespace(optimizer=None, loaded_checkpoint_dp_world_size=2, dp_world_size=4)
-    with pytest.raises(ConfigError) as refused:
-        compat.load_zero_partitions_at_new_dp(engine, saved_files(2))
-    line = str(refused.value)
-    assert "\n" not in line
-    assert line.startswith("/ckpt/step-0000003: saved at data-parallel size 2, this run has 4")
-    assert "DeepSpeed 0.20.0 is installed" in line
-    assert line.endswith(f"resume with data-parallel size 2, or pip install deepspeed=={compat.DEEPSPEED_MIRRORED}")
-
-
 # --- whether a DP change may resume is checkpoint's decision, not compat's ---------------------------------
 def test_a_dp_change_without_zero_partitions_is_refused_by_the_resume_policy(tmp_path):
     from pipeline import checkpoint, config
@@ -118,13 +85,3 @@ def test_a_dp_change_without_zero_partitions_is_refused_by_the_resume_policy(tmp
     (cfg.checkpoint_dir / checkpoint.LATEST).write_text(tag.name)
     with pytest.raises(ConfigError, match=r"saved at data-parallel size 2, this run has 1.*zero_stage 1 and 2"):
         checkpoint.resume_point(cfg)  # a one-process run: DP 1
-
-
-def test_compat_merges_only_what_the_resume_policy_allowed(deepspeed_release):
-    import torch
-
-    deepspeed_release(compat.DEEPSPEED_MIRRORED)
-    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # no ZeRO: no partitions to merge
-    engine = types.SimpleNamespace(optimizer=sgd, loaded_checkpoint_dp_world_size=2, dp_world_size=4)
-    with pytest.raises(TypeError, match=r"no partition merge for SGD; the resume policy in pipeline/checkpoint.py"):
-        compat.load_zero_partitions_at_new_dp(engine, saved_files(2))
