@@ -41,14 +41,16 @@ TASKS = (1, 2)
 
 
 # --- raw encode_batch ---------------------------------------------------------------------------------
-def _raw_encode(args) -> int:
-    tokenizer_path, texts, batch = args
+def _raw_encode(tokenizer_path: str, files: list[Path], text_key: str, batch: int, ready, results) -> None:
+    """Child: read its share and load the tokenizer, wait for the start, encode, report its token count."""
     from tokenizers import Tokenizer
 
+    texts = read_texts(files, text_key)
     tok = Tokenizer.from_file(tokenizer_path)
     tok.encode_special_tokens = True
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # the call the pipeline makes
-    return sum(len(e.ids) + 1 for i in range(0, len(texts), batch) for e in encode(texts[i : i + batch]))
+    ready.wait()
+    results.put(sum(len(e.ids) + 1 for i in range(0, len(texts), batch) for e in encode(texts[i : i + batch])))
 
 
 def read_texts(files: list[Path], text_key: str) -> list[str]:
@@ -58,11 +60,24 @@ def read_texts(files: list[Path], text_key: str) -> list[str]:
 
 
 def raw_tokens_per_sec(tokenizer_path: str, files: list[Path], tasks: int, text_key: str, batch: int) -> float:
-    shares = [read_texts(files[r::tasks], text_key) for r in range(tasks)]
-    with mp.get_context("fork").Pool(tasks) as pool:
-        start = time.perf_counter()
-        tokens = sum(pool.map(_raw_encode, [(tokenizer_path, s, batch) for s in shares]))
-        return tokens / (time.perf_counter() - start)
+    """N fresh interpreters (spawn), each owning files[rank::N] in memory, released together; the clock runs
+    from the release to the last count. Spawned, not forked: tokenizers turns its thread pool off in a child
+    forked from a process that already used it (this one trains the BPE), which made the raw side slower."""
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Barrier(tasks + 1), ctx.Queue()
+    children = [
+        ctx.Process(target=_raw_encode, args=(tokenizer_path, files[r::tasks], text_key, batch, ready, results))
+        for r in range(tasks)
+    ]
+    for c in children:
+        c.start()
+    ready.wait()
+    start = time.perf_counter()
+    tokens = sum(results.get() for _ in children)
+    elapsed = time.perf_counter() - start
+    for c in children:
+        c.join()
+    return tokens / elapsed
 
 
 # --- the pipeline, one prepare() in a fresh interpreter ---------------------------------------------------

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,17 @@ def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
             info.uname = info.gname = TAR_OWNER
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def _batches(docs, size: int):
+    batch = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 class _SplitPacker:
@@ -161,22 +173,26 @@ class TokenizeToShards(PipelineStepWithTokenizer):
             for split in SPLITS
         }
 
-        def flush(batch):
+        def pack(batch, encoding):
             with self.track_time(unit="batch"):
-                for doc, enc in zip(batch, encode([d.text for d in batch])):
+                for doc, enc in zip(batch, encoding.result()):
                     split = "val" if is_val(str(doc.id), self.val_fraction) else "train"
                     packers[split].add(enc.ids)
                     self.stat_update(f"{split}_documents")
                     self.stat_update("tokens_encoded", value=len(enc.ids))
 
-        batch = []
-        for doc in data:
-            batch.append(doc)
-            if len(batch) >= self.batch_size:
-                flush(batch)
-                batch = []
-        if batch:
-            flush(batch)
+        # encode_batch releases the GIL and spreads a batch over every core; one batch is encoded on a worker
+        # thread while this thread reads the next batch and packs the previous one, so reading, packing and
+        # tar writing hide behind the tokenizer instead of adding to it. Packing order is the input order.
+        with ThreadPoolExecutor(max_workers=1) as encoder:
+            previous = None
+            for batch in _batches(data, self.batch_size):
+                encoding = encoder.submit(encode, [d.text for d in batch])
+                if previous is not None:
+                    pack(*previous)
+                previous = (batch, encoding)
+            if previous is not None:
+                pack(*previous)
 
         record = {"rank": rank, "world_size": world_size}
         record.update({split: p.summary() for split, p in packers.items()})
