@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.config import ConfigError
+from pipeline.console import library_output_to_log
 
 
 def load(folder: str | Path):
@@ -18,8 +19,9 @@ def load(folder: str | Path):
     if not config.is_file():
         raise ConfigError(f"{folder}: no config.json; pass a `prism export` folder or a checkpoint")
     ours = json.loads(config.read_text()).get("model_type") == "prism"
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=ours).eval()
-    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=ours)
+    with library_output_to_log():  # transformers' "Loading weights" bar is library output, not ours
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=ours).eval()
+        return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=ours)
 
 
 def generate(model_path, prompt, max_new_tokens=64, temperature=0.8, top_k=50, top_p=1.0, seed=0, stream=True):
