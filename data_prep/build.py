@@ -206,7 +206,7 @@ def write_errors(doing: str, where: Path, state: str, key: str = "data.dataset_d
 
 # --- executor ---------------------------------------------------------------------------------------------
 def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> list:
-    from data_prep.readers import PrismJsonlReader, PrismParquetReader
+    from data_prep.steps import PrismJsonlReader, PrismParquetReader
 
     d = cfg.data
     reader_cls = PrismJsonlReader if d.input_format == "jsonl" else PrismParquetReader

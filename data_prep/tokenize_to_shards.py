@@ -22,6 +22,7 @@ from datatrove.data import DocumentsPipeline
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from data_prep.manifest import rank_record
+from data_prep.steps import NoPackageScan
 from pipeline.atomic import write_atomic
 from pipeline.dataset import DTYPES, SAMPLE_SUFFIX, SPLITS, shard_key, shard_name
 
@@ -116,13 +117,11 @@ class _SplitPacker:
         }
 
 
-class TokenizeToShards(PipelineStepWithTokenizer):
+class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
     """Reader documents in, webdataset shards + a per-rank record (``.prep/ranks/RRRRR.json``) out."""
 
     name = "🧱 Tokenize + pack to webdataset shards"
     type = "✍️ - WRITER"
-    # tokenizers is a Prism requirement: no scan of every installed distribution's metadata per process
-    _requires_dependencies: list[str] = []
 
     def __init__(
         self,

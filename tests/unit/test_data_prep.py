@@ -235,3 +235,24 @@ def test_shard_bytes_equal_webdataset_tarwriter_output():
         for i, sample in enumerate(samples):
             tar.write({"__key__": f"train-00000-000000-{i:06d}", "tokens": sample.tobytes()})
     assert encode_tar(samples, "train-00000-000000") == buf.getvalue()
+
+
+def test_prism_steps_skip_datatroves_package_scan(monkeypatch, tmp_path):
+    """The scan reads every installed distribution's metadata per step and process; an empty
+    _requires_dependencies on a subclass does not stop it (datatrove chains the lists of the whole MRO)."""
+    import datatrove.pipeline.base as base
+
+    from data_prep.steps import PrismJsonlReader, PrismParquetReader
+    from data_prep.tokenize_to_shards import TokenizeToShards
+
+    def scan(step_name, required):
+        raise AssertionError(f"{step_name} ran datatrove's package scan for {list(required)}")
+
+    monkeypatch.setattr(base, "check_required_dependencies", scan)
+    PrismParquetReader(str(tmp_path))
+    PrismJsonlReader(str(tmp_path))
+    TokenizeToShards(str(tmp_path), "gpt2", "<|endoftext|>", 16, 1, {"train": 1, "val": 1}, 0.1, "uint16")
+    with pytest.raises(AssertionError, match="package scan"):  # what a plain datatrove step does
+        from datatrove.pipeline.readers import ParquetReader
+
+        ParquetReader(str(tmp_path))
