@@ -12,9 +12,9 @@ Printed in one run: the ratio pipeline / raw per N (target >= 0.90), "end to end
 and the pipeline's scaling from 1 to 2 tasks. The two sides alternate, best of --repeats each (the machine
 is shared: ratios within one run, not absolute rates, are the figures).
 
-Where the end-to-end time goes, per N (from the pipeline run): interpreter start-up (before prepare; left
-out of end to end, as the raw side's process start is), checks (tokenizer hash, input schemas, build state),
-pipeline construction (datatrove imports and its dependency check), executor (start + tasks + stats),
+Where the end-to-end time goes, per N (from the pipeline run): interpreter start-up and imports (datatrove,
+Prism; before prepare, left out of end to end, as the raw side's process start and imports are), checks
+(tokenizer hash, input schemas, build state), pipeline construction, executor (start + tasks + stats),
 the slowest task's reader and writer time, the executor's own overhead around the tasks (process pool,
 task loggers, stats files), and the manifest. Then the writer's parts, measured one at a time in this
 process over the whole corpus: encode_batch, packing (ids to numpy, split, rows), tar encoding + sha256,
@@ -101,6 +101,7 @@ def pipeline_run(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> 
     return {
         "tokens": tokens,
         "startup_s": phases["started"] - spawned,
+        "imports_s": phases["imports"],
         "end_to_end_s": phases["prepare"],
         "checks_s": phases["prepare"] - phases["build_pipeline"] - phases["executor"] - phases["manifest"],
         "build_pipeline_s": phases["build_pipeline"],
@@ -119,7 +120,7 @@ def _pipeline_once(cfg_path: str, overrides: list[str]) -> None:
     from pipeline import config
 
     quiet_datatrove()
-    phases = {"started": started, "executor": 0.0}
+    phases = {"started": started, "imports": time.time() - started, "executor": 0.0}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -259,7 +260,8 @@ def main() -> None:
                 flush=True,
             )
             print(
-                f"tasks={tasks}: seconds: start-up {r['startup_s']:.2f} (not in end to end) | end to end "
+                f"tasks={tasks}: seconds: start-up {r['startup_s']:.2f}, imports {r['imports_s']:.2f} (datatrove, "
+                f"Prism; neither in end to end, as the raw side's are not) | end to end "
                 f"{r['end_to_end_s']:.2f} = checks {r['checks_s']:.2f} + pipeline construction "
                 f"{r['build_pipeline_s']:.2f} + executor {r['executor_s']:.2f} (slowest task: reader "
                 f"{r['task_reader_s']:.2f}, writer {r['task_writer_s']:.2f}; around the tasks "
