@@ -48,6 +48,7 @@ FIELDS = {
                 "ratio_end_to_end",
                 "ratio_in_tasks",
                 "end_to_end_s",
+                "imports_s",
                 "executor_s",
                 "task_writer_s",
             )
