@@ -39,7 +39,14 @@ from pipeline.config import Config, ConfigError, changed_keys
 LATEST = "latest"
 CONFIG_NAME = "config.yaml"
 INTEGRITY = "integrity.json"  # {"files": {name: {"size", "sha256"}}, "step", "tp", "dp_size", "world_size"}
-MODEL_STATES = "mp_rank_00_model_states.pt"  # TP rank 0's weights; TP=N writes mp_rank_00 .. mp_rank_N-1
+
+
+def model_states_file(tp_rank: int) -> str:
+    """DeepSpeed's file of one TP rank's weights: TP=N writes mp_rank_00 .. mp_rank_N-1."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+MODEL_STATES = model_states_file(0)
 
 
 def tag_for(step: int) -> str:
@@ -535,26 +542,29 @@ class CheckpointInfo:
     client_state: dict[str, Any]  # its JSON-like part
 
 
-def read_weights(tag_dir: Path) -> tuple[dict[str, Any], CheckpointInfo]:
-    """(model state dict, CheckpointInfo) from a TP=1 tag folder, on the CPU."""
+def read_weights(tag_dir: Path, tp_rank: int | None = None) -> tuple[dict[str, Any], CheckpointInfo]:
+    """(model state dict, CheckpointInfo) on the CPU: of a TP=1 tag folder (a TP checkpoint is refused), or,
+    with ``tp_rank``, that TP rank's part of any tag folder."""
     import torch
 
-    shards = sorted(p.name for p in Path(tag_dir).glob("mp_rank_*_model_states.pt"))
-    if len(shards) > 1:
-        raise ConfigError(
-            f"{tag_dir}: {len(shards)} model shards (a tensor-parallel checkpoint); inference loads TP=1 "
-            "checkpoints only; retrain or convert with parallel.tp=1"
-        )
-    if shards != [MODEL_STATES]:
-        raise ConfigError(f"{tag_dir}: {MODEL_STATES} is missing; the checkpoint is incomplete")
-    want = ((read_integrity(tag_dir) or {}).get("files") or {}).get(MODEL_STATES)
-    size = (Path(tag_dir) / MODEL_STATES).stat().st_size
+    name = model_states_file(tp_rank or 0)
+    if tp_rank is None:
+        shards = sorted(p.name for p in Path(tag_dir).glob("mp_rank_*_model_states.pt"))
+        if len(shards) > 1:
+            raise ConfigError(
+                f"{tag_dir}: {len(shards)} model shards (a tensor-parallel checkpoint); inference loads TP=1 "
+                "checkpoints only; retrain or convert with parallel.tp=1"
+            )
+    if not (Path(tag_dir) / name).is_file():
+        raise ConfigError(f"{tag_dir}: {name} is missing (an incomplete checkpoint); use another checkpoint of the run")
+    want = ((read_integrity(tag_dir) or {}).get("files") or {}).get(name)
+    size = (Path(tag_dir) / name).stat().st_size
     if want is not None and want["size"] != size:
         raise ConfigError(
-            f"{tag_dir}: {MODEL_STATES} has {size} bytes, its integrity record says {want['size']} (truncated); "
+            f"{tag_dir}: {name} has {size} bytes, its integrity record says {want['size']} (truncated); "
             f"use another checkpoint of the run"
         )
-    state = torch.load(Path(tag_dir) / MODEL_STATES, map_location="cpu", weights_only=False)
+    state = torch.load(Path(tag_dir) / name, map_location="cpu", weights_only=False)
     weights = state.pop("module")
     if next(iter(weights)).startswith("module."):  # saved from a wrapper
         weights = {k.removeprefix("module."): v for k, v in weights.items()}

@@ -226,26 +226,15 @@ def export(
 
 
 def read_weights(tag_dir: Path, cfg: Config):
-    """(TP=1 megatron state dict, CheckpointInfo): checkpoint.read_weights, once per TP rank for a TP
-    checkpoint (it reads one rank's file, mp_rank_00, so each rank's file is shown to it under that name
-    in a scratch folder), gathered by convert.gather_tp."""
+    """(TP=1 megatron state dict, CheckpointInfo): every TP rank's part read by checkpoint.read_weights,
+    gathered by convert.gather_tp."""
     from pipeline import checkpoint
     from pipeline.export import convert
 
     if cfg.parallel.tp == 1:
         return checkpoint.read_weights(tag_dir)
-    shards, info = [], None
-    for rank in range(cfg.parallel.tp):
-        path = tag_dir / checkpoint.MODEL_STATES.replace("00", f"{rank:02d}")
-        if not path.is_file():
-            raise ConfigError(f"{tag_dir}: {path.name} (TP rank {rank}) is missing; use another checkpoint of the run")
-        with tempfile.TemporaryDirectory() as folder:
-            (Path(folder) / checkpoint.MODEL_STATES).symlink_to(path.resolve())
-            weights, rank_info = checkpoint.read_weights(Path(folder))
-        shards.append(weights)
-        info = info or rank_info
-    info.tag_dir = tag_dir
-    return convert.gather_tp(shards, cfg), info
+    parts = [checkpoint.read_weights(tag_dir, tp_rank=rank) for rank in range(cfg.parallel.tp)]
+    return convert.gather_tp([weights for weights, _ in parts], cfg), parts[0][1]
 
 
 def log_export(cfg: Config, info, out: Path) -> dict[str, Any]:
