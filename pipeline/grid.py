@@ -40,8 +40,12 @@ class GridRun:
         return self.name + (f" {self.schedule}" if self.schedule else "")
 
     def train_command(self) -> list[str]:
-        """`prism train` for this run, in this interpreter."""
-        return [sys.executable, "-m", "pipeline.cli", "train", self.config_path, *self.overrides]
+        return train_command(self.config_path, self.overrides)
+
+
+def train_command(config_path: str, overrides: Sequence[str]) -> list[str]:
+    """`prism train CONFIG OVERRIDES` in this interpreter (the demo, the study and local search trials)."""
+    return [sys.executable, "-m", "pipeline.cli", "train", str(config_path), *overrides]
 
 
 def expand_grid(
@@ -53,13 +57,14 @@ def expand_grid(
     """Every (seed, config, schedule), seed-major (a grid stopped early holds whole seeds); ``seeds`` None keeps
     each config's own seed, a schedule None its own schedule. A schedule set here also gets its own folder,
     ``<run.output_dir>/sched-<schedule>``: the run name is the same for every schedule of an arm."""
+    output_dirs = {path: config.load(path, overrides).run.output_dir for path in configs} if any(schedules) else {}
     runs = []
     for seed in [None] if seeds is None else seeds:
         for path in configs:
             for sched in schedules:
                 extra = [] if seed is None else [f"run.seed={int(seed)}"]
                 if sched is not None:
-                    out = config.load(path, overrides).run.output_dir
+                    out = output_dirs[path]
                     extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
                 ov = (*overrides, *extra)
                 runs.append(GridRun(str(path), ov, config.load(path, ov), sched))

@@ -8,11 +8,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from launchers import sweep
+from pipeline.grid import train_command
 from pipeline.search.runs import EXIT_FILE
 from pipeline.search.spec import SearchSpec
 
@@ -60,7 +60,7 @@ class LocalLauncher:
         folder = Path(rec["folder"])
         folder.mkdir(parents=True, exist_ok=True)
         (folder / EXIT_FILE).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pipeline.cli", "train", rec["config"], *rec["overrides"]]
+        cmd = train_command(rec["config"], rec["overrides"])
         env = {**self.env, "PRISM_EXIT_FILE": str(folder / EXIT_FILE)}
         with open(folder / "train.log", "a") as log:
             proc = subprocess.Popen(
