@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from datatrove.data import DocumentsPipeline
+from datatrove.utils.batching import batched
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from data_prep.manifest import rank_record
@@ -51,17 +52,6 @@ def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
             info.uname = info.gname = TAR_OWNER
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
-
-
-def _batches(docs, size: int):
-    batch = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 class _SplitPacker:
@@ -185,7 +175,7 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         # tar writing hide behind the tokenizer instead of adding to it. Packing order is the input order.
         with ThreadPoolExecutor(max_workers=1) as encoder:
             previous = None
-            for batch in _batches(data, self.batch_size):
+            for batch in batched(data, self.batch_size):
                 encoding = encoder.submit(encode, [d.text for d in batch])
                 if previous is not None:
                     pack(*previous)
