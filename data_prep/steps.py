@@ -1,4 +1,4 @@
-"""datatrove steps without datatrove's check of their required packages.
+"""datatrove steps without datatrove's check of their required packages, and readers without per-document paths.
 
 datatrove's ``PipelineStep.__new__`` checks the ``_requires_dependencies`` of every class in a step's MRO by
 reading the metadata of every installed distribution: ~0.13 s per package name per process here, about a
@@ -18,9 +18,18 @@ class NoPackageScan:
         return object.__new__(cls)
 
 
-class PrismParquetReader(NoPackageScan, ParquetReader):
+class NoFilePath:
+    """A reader base whose documents carry no ``file_path``: the writer reads text and id alone, and datatrove
+    resolves that path once per document (0.09 s of the 0.48 s of Python work in a 6.5M-token task, cProfile)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_file_path = False  # BaseDiskReader's switch; ParquetReader's constructor does not pass it on
+
+
+class PrismParquetReader(NoPackageScan, NoFilePath, ParquetReader):
     pass
 
 
-class PrismJsonlReader(NoPackageScan, JsonlReader):
+class PrismJsonlReader(NoPackageScan, NoFilePath, JsonlReader):
     pass
