@@ -227,8 +227,20 @@ def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> l
         samples_per_shard={"train": d.samples_per_shard, "val": d.val_samples_per_shard},
         val_fraction=d.val_fraction,
         dtype=ident["dtype"],
+        encode_threads=encode_threads(cfg),
     )
     return [reader, writer]
+
+
+def encode_threads(cfg: Config) -> int | None:
+    """Tokenizer threads per task. Local tasks running side by side split this machine's cores between them
+    (the tokenizer's default is every core in each task: N tasks would run N x cores threads); None otherwise
+    (one task at a time, or Slurm, where each task has its own cpus_per_task)."""
+    d = cfg.data
+    side_by_side = min(d.tasks, d.workers if d.workers > 0 else d.tasks)
+    if d.executor != "local" or side_by_side < 2:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // side_by_side)
 
 
 def build_executor(cfg: Config, pipeline: list, logs_dir: Path):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tarfile
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,16 +125,23 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         samples_per_shard: dict[str, int],
         val_fraction: float,
         dtype: str,
-        batch_size: int = 1000,
+        batch_size: int = 256,
+        encode_ahead: int = 2,
+        encode_threads: int | None = None,
     ):
-        super().__init__(tokenizer_name_or_path, eos_token)
+        # No eos_token for datatrove: its tokenizer would append EOS in a post-processor, which made encoding
+        # ~4 % slower than the plain tokenizer here (benchmarks/bench_tokenize.py); the packer appends it.
+        super().__init__(tokenizer_name_or_path)
+        self.document_end = eos_token
         self.dataset_dir = str(dataset_dir)
         self.seq_len = seq_len
         self.sequences_per_sample = sequences_per_sample
         self.samples_per_shard = dict(samples_per_shard)
         self.val_fraction = val_fraction
         self.dtype = dtype
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # documents per encode_batch call
+        self.encode_ahead = encode_ahead  # batches being encoded while one is packed
+        self.encode_threads = encode_threads  # tokenizer threads in this task; None: every core
 
     def _clear_rank(self, out_dir: Path, rank: int) -> None:
         """A rerun redoes the task from scratch: drop whatever a killed attempt left for this rank."""
@@ -143,12 +152,16 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         rank_record(out_dir, rank).unlink(missing_ok=True)
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if self.encode_threads is not None:
+            # Local tasks share the machine's cores; rayon sizes its pool when this process first encodes.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(self.encode_threads))
         out_dir = Path(self.dataset_dir)
         self._clear_rank(out_dir, rank)
         tokenizer = self.tokenizer
         # Text that happens to contain "<|endoftext|>" is encoded as plain text: EOS only ends documents.
         tokenizer.encode_special_tokens = True
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
+        eos_id = tokenizer.token_to_id(self.document_end)
         packers = {
             split: _SplitPacker(
                 split,
@@ -166,22 +179,25 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
             with self.track_time(unit="batch"):
                 for doc, enc in zip(batch, encoding.result()):
                     split = "val" if is_val(str(doc.id), self.val_fraction) else "train"
-                    packers[split].add(enc.ids)
+                    ids = enc.ids  # a new list on every read of the attribute: read once
+                    ids.append(eos_id)
+                    packers[split].add(ids)
                     self.stat_update(f"{split}_documents")
-                    self.stat_update("tokens_encoded", value=len(enc.ids))
+                    self.stat_update("tokens_encoded", value=len(ids))
 
-        # encode_batch releases the GIL and spreads a batch over every core; one batch is encoded on a worker
-        # thread while this thread reads the next batch and packs the previous one, so reading, packing and
-        # tar writing hide behind the tokenizer instead of adding to it. Packing order is the input order.
-        with ThreadPoolExecutor(max_workers=1) as encoder:
-            previous = None
+        # encode_batch releases the GIL and spreads a batch over every core. Batches are encoded on worker threads,
+        # `encode_ahead` at a time, while this thread reads the next batch and packs the oldest, so reading,
+        # packing and tar writes hide behind the tokenizer, and the next batch keeps the cores busy while the
+        # last documents of one finish. Small batches keep the unhidden work at the start (reading the first
+        # batch) and at the end (packing the last) small. Packing order is the input order.
+        in_flight: deque = deque()
+        with ThreadPoolExecutor(max_workers=self.encode_ahead) as encoder:
             for batch in batched(data, self.batch_size):
-                encoding = encoder.submit(encode, [d.text for d in batch])
-                if previous is not None:
-                    pack(*previous)
-                previous = (batch, encoding)
-            if previous is not None:
-                pack(*previous)
+                in_flight.append((batch, encoder.submit(encode, [d.text for d in batch])))
+                if len(in_flight) > self.encode_ahead:
+                    pack(*in_flight.popleft())
+            while in_flight:
+                pack(*in_flight.popleft())
 
         record = {"rank": rank, "world_size": world_size}
         record.update({split: p.summary() for split, p in packers.items()})

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 import shutil
 import sys
 import tarfile
@@ -193,7 +195,9 @@ def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
     pipeline = build_pipeline(cfg, str(tiny_data.tokenizer), ident)
     slurm = build_executor(cfg, pipeline, tmp_path / "logs")
     assert isinstance(slurm, SlurmPipelineExecutor) and slurm.pipeline is pipeline
-    assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].eos_token == "<|endoftext|>"
+    assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].document_end == "<|endoftext|>"
+    assert pipeline[1].eos_token is None  # datatrove's EOS post-processor is off: the packer appends EOS
+    assert pipeline[1].encode_threads is None  # each Slurm task has its own cpus_per_task
     script = slurm.get_launch_file_contents(slurm.get_sbatch_args(max_array=4), "launch_pickled_pipeline x.pik")
     for line in ("--partition=cpu", "--array=0-3%2", "--cpus-per-task=3", "--time=01:00:00"):
         assert f"#SBATCH {line}" in script
@@ -202,6 +206,73 @@ def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
     assert isinstance(local, LocalPipelineExecutor) and local.pipeline is pipeline and local.start_method == "fork"
     with pytest.raises(DataError, match="data.slurm.partition"):
         build_executor(load(tiny_data, "data.executor=slurm"), pipeline, tmp_path / "logs3")
+
+
+def test_local_tasks_side_by_side_split_the_cores(tiny_data, monkeypatch):
+    from data_prep.build import encode_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    threads = {
+        (tasks, workers): encode_threads(load(tiny_data, f"data.tasks={tasks}", f"data.workers={workers}"))
+        for tasks, workers in ((1, -1), (2, 1), (2, -1), (4, -1), (4, 2), (3, -1), (16, -1), (16, 8))
+    }
+    assert threads == {
+        (1, -1): None,  # one task at a time: the tokenizer's every-core default
+        (2, 1): None,
+        (2, -1): 4,
+        (4, -1): 2,
+        (4, 2): 4,  # two workers run the four tasks two at a time
+        (3, -1): 2,
+        (16, -1): 1,
+        (16, 8): 1,
+    }
+
+
+def test_writer_sizes_the_tokenizer_pool_of_its_task_and_appends_eos_itself(tiny_data, tmp_path, monkeypatch):
+    """A task run in this process: encode_threads becomes RAYON_NUM_THREADS before the tokenizer first encodes
+    (a value the user set wins), and every document ends with exactly one EOS, appended by the packer."""
+    from datatrove.data import Document
+
+    from data_prep.manifest import rank_record
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    writer = TokenizeToShards(
+        str(tmp_path),
+        str(tiny_data.tokenizer),
+        "<|endoftext|>",
+        8,
+        1,
+        {"train": 1, "val": 1},
+        0.0,
+        "uint16",
+        batch_size=2,
+        encode_threads=1,
+    )
+    texts = ["one two three", "four", "five six", "seven eight nine ten"]
+    list(writer.run(iter(Document(text=t, id=str(i)) for i, t in enumerate(texts)), rank=0, world_size=1))
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
+    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    expected = np.concatenate([np.array(tok.encode(t, add_special_tokens=False).ids + [eos]) for t in texts])
+    record = json.loads(rank_record(tmp_path, 0).read_text())["train"]
+    assert record["tokens_encoded"] == len(expected) and record["documents"] == len(texts)
+    shape = {"sequences_per_sample": 1, "seq_len": 8, "dtype": "uint16"}
+    written = [s.ravel() for shard in record["shards"] for s in read_samples(tmp_path, shard, shape)]
+    assert len(written) == len(expected) // 9 == 2  # whole shards of one 9-token row each; the rest is dropped
+    assert np.array_equal(np.concatenate(written), expected[:18])
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "5")
+    list(writer.run(iter([Document(text="x", id="0")]), rank=0, world_size=1))
+    assert os.environ["RAYON_NUM_THREADS"] == "5"
+
+
+def test_reader_yields_text_and_id_only(tiny_data):
+    """FineWeb rows carry url, dump, date, language...: the reader reads neither those columns nor adds a
+    file_path to each document; the writer uses text and id alone."""
+    reader = build_pipeline(load(tiny_data), str(tiny_data.tokenizer), {"dtype": "uint16"})[0]
+    docs = list(reader.run(None, 0, 1))
+    assert len(docs) > 0 and all(d.metadata == {} and d.text and d.id for d in docs)
+    assert len(pq.read_schema(sorted(tiny_data.corpus_dir.glob("*.parquet"))[0]).names) > 2
 
 
 def test_embedded_corpus_and_tokenizer_are_reproducible(tmp_path):
