@@ -6,19 +6,21 @@ the difference goes.
     python benchmarks/bench_tokenize.py --config CONFIG [overrides...]   # that config's input and tokenizer
 
 For N = 1 and 2 tasks, both sides run N processes on the same cores, each owning the parquet files datatrove
-gives that rank (files[rank::N]); the raw side has the texts in memory already and only calls encode_batch.
-Printed in one run: the ratio pipeline / raw per N (target >= 0.90), "end to end" = the whole prepare() call
-(checks, executor, manifest), "in tasks" = datatrove's step timings (reader + writer) of the slowest task,
-and the pipeline's scaling from 1 to 2 tasks. The two sides alternate, best of --repeats each (the machine
-is shared: ratios within one run, not absolute rates, are the figures).
+gives that rank (files[rank::N]); the raw side has the texts in memory already and only calls encode_batch
+(1,000 documents a call: 256 a call, or two calls at a time, measured the same here). Printed in one run: the
+ratio pipeline / raw per N (target >= 0.90), "end to end" = the whole prepare() call (checks, executor,
+manifest), "in tasks" = the slowest task's wall time, and the pipeline's scaling from 1 to 2 tasks. The two
+sides alternate, best of --repeats each (the machine is shared: ratios within one run, not absolute rates,
+are the figures).
 
 Where the end-to-end time goes, per N (from the pipeline run): interpreter start-up and imports (datatrove,
 Prism; before prepare, left out of end to end, as the raw side's process start and imports are), checks
-(tokenizer hash, input schemas, build state), pipeline construction, executor (start + tasks + stats),
-the slowest task's reader and writer time, the executor's own overhead around the tasks (process pool,
-task loggers, stats files), and the manifest. Then the writer's parts, measured one at a time in this
-process over the whole corpus: encode_batch, packing (ids to numpy, split, rows), tar encoding + sha256,
-and file writes.
+(tokenizer hash, input schemas, build state), pipeline construction, executor (start + tasks + stats), the
+slowest task's wall time split into its reader and writer timers (datatrove's step timings) and what falls
+outside both (tokenizer load, the first batch's encoding, the last batch's packing, the rank record), the
+executor's own overhead around the tasks (process pool, task loggers, stats files), and the manifest. Then
+the writer's parts, measured one at a time in this process over the whole corpus: encode_batch, packing (ids
+to numpy, split, rows), tar encoding + sha256, and file writes.
 """
 
 from __future__ import annotations
@@ -85,9 +87,13 @@ def pipeline_run(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> 
     """A process that already used tokenizers' thread pool makes its forked children single-threaded, which
     would skew whichever side runs later: so prepare() runs in its own interpreter."""
     args = [*overrides, f"data.dataset_dir={out}", f"data.tasks={tasks}", f"data.workers={tasks}"]
+    task_log = out.with_suffix(".tasks.jsonl")
     spawned = time.time()
     done = subprocess.run(
-        [sys.executable, __file__, "--pipeline-once", cfg_path, *args], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, __file__, "--pipeline-once", str(task_log), cfg_path, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         raise SystemExit(f"{PROG}: prepare with data.tasks={tasks} failed:\n{done.stderr[-3000:]}")
@@ -97,6 +103,7 @@ def pipeline_run(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> 
     per_task = [json.loads(p.read_text()) for p in sorted((out / ".prep" / "logs" / "stats").glob("*.json"))]
     slowest = max(per_task, key=lambda steps: sum(s["time_stats"]["total"] for s in steps))
     reader, writer = (s["time_stats"]["total"] for s in slowest)
+    task_wall = max(json.loads(line)["seconds"] for line in task_log.read_text().splitlines())
     tokens = manifest["totals"]["tokens_encoded"]
     return {
         "tokens": tokens,
@@ -106,18 +113,33 @@ def pipeline_run(cfg_path: str, overrides: list[str], tasks: int, out: Path) -> 
         "checks_s": phases["prepare"] - phases["build_pipeline"] - phases["executor"] - phases["manifest"],
         "build_pipeline_s": phases["build_pipeline"],
         "executor_s": phases["executor"],
+        "task_s": task_wall,
         "task_reader_s": reader,
         "task_writer_s": writer,
-        "executor_overhead_s": phases["executor"] - reader - writer,
+        "task_untimed_s": task_wall - reader - writer,
+        "executor_overhead_s": phases["executor"] - task_wall,
         "manifest_s": phases["manifest"],
     }
 
 
-def _pipeline_once(cfg_path: str, overrides: list[str]) -> None:
-    """Child: prepare() with its phases timed (wrappers around build's own functions)."""
+def _pipeline_once(task_log: str, cfg_path: str, overrides: list[str]) -> None:
+    """Child: prepare() with its phases timed (wrappers around build's own functions), and each task's wall
+    time, from the writer's first document to its rank record, appended to ``task_log`` by the task itself
+    (tasks may run in forked workers)."""
     started = time.time()
     from data_prep import build
+    from data_prep.tokenize_to_shards import TokenizeToShards
     from pipeline import config
+
+    plain_writer_run = TokenizeToShards.run
+
+    def timed_writer_run(self, data, rank=0, world_size=1):
+        t = time.perf_counter()
+        yield from plain_writer_run(self, data, rank, world_size)
+        with open(task_log, "a") as f:
+            f.write(json.dumps({"rank": rank, "seconds": time.perf_counter() - t}) + "\n")
+
+    TokenizeToShards.run = timed_writer_run
 
     quiet_datatrove()
     phases = {"started": started, "imports": time.time() - started, "executor": 0.0}
@@ -159,8 +181,9 @@ def writer_parts(cfg, tokenizer_path: str, out: Path) -> dict:
     docs = list(reader.run(None, 0, 1))
     parts = {"reader_s": time.perf_counter() - t}
 
-    tok = writer.tokenizer  # with the EOS post-processor, as in the tasks
+    tok = writer.tokenizer  # as the tasks load it
     tok.encode_special_tokens = True
+    eos_id = tok.token_to_id(writer.document_end)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     batch = writer.batch_size
     t = time.perf_counter()
@@ -176,7 +199,9 @@ def writer_parts(cfg, tokenizer_path: str, out: Path) -> dict:
         p._write_shard = shards.append  # packing only: the shards are kept for the next parts
     t = time.perf_counter()
     for doc, enc in zip(docs, encodings):
-        packers["val" if is_val(str(doc.id), cfg.data.val_fraction) else "train"].add(enc.ids)
+        ids = enc.ids
+        ids.append(eos_id)
+        packers["val" if is_val(str(doc.id), cfg.data.val_fraction) else "train"].add(ids)
     parts["packing_s"] = time.perf_counter() - t
 
     import hashlib
@@ -243,7 +268,7 @@ def main() -> None:
                     best = run
                 say(f"tasks={tasks}: repetition {rep + 1}/{repeats} done")
             e2e = best["tokens"] / best["end_to_end_s"]
-            in_tasks = best["tokens"] / (best["task_reader_s"] + best["task_writer_s"])
+            in_tasks = best["tokens"] / best["task_s"]
             fields[f"tasks{tasks}"] = {
                 "raw_tokens_per_s": round(raw),
                 "end_to_end_tokens_per_s": round(e2e),
@@ -263,9 +288,10 @@ def main() -> None:
                 f"tasks={tasks}: seconds: start-up {r['startup_s']:.2f}, imports {r['imports_s']:.2f} (datatrove, "
                 f"Prism; neither in end to end, as the raw side's are not) | end to end "
                 f"{r['end_to_end_s']:.2f} = checks {r['checks_s']:.2f} + pipeline construction "
-                f"{r['build_pipeline_s']:.2f} + executor {r['executor_s']:.2f} (slowest task: reader "
-                f"{r['task_reader_s']:.2f}, writer {r['task_writer_s']:.2f}; around the tasks "
-                f"{r['executor_overhead_s']:.2f}) + manifest {r['manifest_s']:.2f}",
+                f"{r['build_pipeline_s']:.2f} + executor {r['executor_s']:.2f} (slowest task {r['task_s']:.2f}: "
+                f"reader {r['task_reader_s']:.2f}, writer {r['task_writer_s']:.2f}, outside both timers "
+                f"{r['task_untimed_s']:.2f}; executor around the tasks {r['executor_overhead_s']:.2f}) + manifest "
+                f"{r['manifest_s']:.2f}",
                 flush=True,
             )
         fields["scaling_1_to_2_tasks"] = round(
@@ -283,6 +309,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pipeline-once"]:
-        _pipeline_once(sys.argv[2], sys.argv[3:])
+        _pipeline_once(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         main()
