@@ -128,7 +128,9 @@ def test_sbatch_preset_runs_tiny_on_cpu_and_logs_to_mlflow(slurm_cluster, mlflow
 def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(
     slurm_cluster, mlflow_server, tiny_data, tmp_path
 ):
-    steps, seed, experiment = 6, 12, "launchers-requeue"
+    # Steps 3..10 are the margin for the signal's way (poll, scancel, batch shell, srun, torchrun) to the trainer:
+    # at ~0.5 s a step, two or three steps of margin were sometimes too few on a busy machine.
+    steps, seed, experiment = 10, 12, "launchers-requeue"
     overrides = _train_overrides(tiny_data, tmp_path, mlflow_server, experiment, steps, seed)
     log = tmp_path / "job.out"
     job = slurm_cluster.sbatch("launchers/prism_757m.sbatch", _sbatch_env(overrides, log), ROOT)
@@ -166,7 +168,10 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
 ):
     from launchers import sweep
 
-    steps, experiment = 4, "launchers-sweep"
+    # The signal must reach the trainer before its last step: steps 2..12 are the margin for the way there (poll,
+    # scancel, submitit's handler, torchrun). With 4 steps and the signal sent after step 2 it sometimes landed
+    # in step 4, and the run finished instead of stopping (~0.45 s a step on one CPU).
+    steps, experiment = 12, "launchers-sweep"
     overrides = _train_overrides(tiny_data, tmp_path, mlflow_server, experiment, steps, seed=0)  # seeds: below
     s = sweep.submit(
         arms=["prism", "uniform"],
@@ -184,7 +189,7 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
     # Preempt the prism job the way submitit's `#SBATCH --signal=USR2@60` does; the uniform one runs through.
     preempted = s.jobs[0]
     deadline = time.monotonic() + 240
-    while not re.search(r"^step +2/", preempted.stdout() or "", re.M):
+    while not re.search(r"^step +1/", preempted.stdout() or "", re.M):
         assert time.monotonic() < deadline and not preempted.done(), (preempted.stderr() or "")[-2000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR2", preempted.job_id], check=True, timeout=30)
