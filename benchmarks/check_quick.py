@@ -50,7 +50,9 @@ FIELDS = {
                 "end_to_end_s",
                 "imports_s",
                 "executor_s",
+                "task_s",
                 "task_writer_s",
+                "task_untimed_s",
             )
         ),
         "scaling_1_to_2_tasks",
