@@ -192,16 +192,16 @@ def writer_parts(cfg, tokenizer_path: str, out: Path) -> dict:
 
     shards = []
     packers = {
-        split: _SplitPacker(split, 0, out, cfg.model.seq_len, cfg.data.sequences_per_sample, per_shard, ident["dtype"])
+        split: _SplitPacker(
+            split, 0, out, cfg.model.seq_len, cfg.data.sequences_per_sample, per_shard, ident["dtype"], eos_id
+        )
         for split, per_shard in (("train", cfg.data.samples_per_shard), ("val", cfg.data.val_samples_per_shard))
     }
     for p in packers.values():
         p._write_shard = shards.append  # packing only: the shards are kept for the next parts
     t = time.perf_counter()
     for doc, enc in zip(docs, encodings):
-        ids = enc.ids
-        ids.append(eos_id)
-        packers["val" if is_val(str(doc.id), cfg.data.val_fraction) else "train"].add(ids)
+        packers["val" if is_val(str(doc.id), cfg.data.val_fraction) else "train"].add(enc.ids)
     parts["packing_s"] = time.perf_counter() - t
 
     import hashlib

@@ -57,10 +57,11 @@ def encode_tar(samples: np.ndarray, key_prefix: str) -> bytes:
 
 
 class _SplitPacker:
-    """Token stream of one split in one task; emits a shard whenever a whole one is buffered."""
+    """Token stream of one split in one task, documents joined with EOS; emits a shard whenever a whole one is
+    buffered."""
 
-    def __init__(self, split, rank, out_dir, seq_len, sequences_per_sample, samples_per_shard, dtype):
-        self.split, self.rank, self.out_dir = split, rank, out_dir
+    def __init__(self, split, rank, out_dir, seq_len, sequences_per_sample, samples_per_shard, dtype, eos_id):
+        self.split, self.rank, self.out_dir, self.eos_id = split, rank, out_dir, eos_id
         self.shape = (samples_per_shard, sequences_per_sample, seq_len + 1)
         self.shard_tokens = int(np.prod(self.shape))
         self.dtype = DTYPES[dtype]
@@ -70,7 +71,9 @@ class _SplitPacker:
         self.documents = 0
         self.tokens_encoded = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int]) -> int:
+        """One document's ids (a list of the caller's, extended in place with EOS); returns its token count."""
+        ids.append(self.eos_id)
         self.documents += 1
         self.tokens_encoded += len(ids)
         self.pending.append(np.asarray(ids, dtype=self.dtype))
@@ -80,6 +83,7 @@ class _SplitPacker:
             self._write_shard(stream[: self.shard_tokens].reshape(self.shape))
             rest = stream[self.shard_tokens :]
             self.pending, self.pending_len = [rest], len(rest)
+        return len(ids)
 
     def _write_shard(self, samples: np.ndarray) -> None:
         index = len(self.shards)
@@ -171,6 +175,7 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
                 self.sequences_per_sample,
                 self.samples_per_shard[split],
                 self.dtype,
+                eos_id,
             )
             for split in SPLITS
         }
@@ -179,11 +184,9 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
             with self.track_time(unit="batch"):
                 for doc, enc in zip(batch, encoding.result()):
                     split = "val" if is_val(str(doc.id), self.val_fraction) else "train"
-                    ids = enc.ids  # a new list on every read of the attribute: read once
-                    ids.append(eos_id)
-                    packers[split].add(ids)
+                    tokens = packers[split].add(enc.ids)  # each read of .ids builds a new list: read once
                     self.stat_update(f"{split}_documents")
-                    self.stat_update("tokens_encoded", value=len(ids))
+                    self.stat_update("tokens_encoded", value=tokens)
 
         # encode_batch releases the GIL and spreads a batch over every core. Batches are encoded on worker threads,
         # `encode_ahead` at a time, while this thread reads the next batch and packs the oldest, so reading,
