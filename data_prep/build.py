@@ -211,12 +211,7 @@ def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> l
     d = cfg.data
     reader_cls = PrismJsonlReader if d.input_format == "jsonl" else PrismParquetReader
     reader = reader_cls(
-        d.input,
-        limit=d.limit,
-        text_key=d.text_key,
-        id_key=d.id_key,
-        glob_pattern=INPUT_GLOBS[d.input_format],
-        **({} if d.input_format == "jsonl" else {"read_metadata": False}),
+        d.input, limit=d.limit, text_key=d.text_key, id_key=d.id_key, glob_pattern=INPUT_GLOBS[d.input_format]
     )
     writer = TokenizeToShards(
         dataset_dir=str(Path(d.dataset_dir).resolve()),

@@ -1,4 +1,4 @@
-"""datatrove steps without datatrove's check of their required packages, and readers without per-document paths.
+"""datatrove steps without datatrove's check of their required packages, and readers of text and id only.
 
 datatrove's ``PipelineStep.__new__`` checks the ``_requires_dependencies`` of every class in a step's MRO by
 reading the metadata of every installed distribution: ~0.13 s per package name per process here, about a
@@ -28,7 +28,9 @@ class NoFilePath:
 
 
 class PrismParquetReader(NoPackageScan, NoFilePath, ParquetReader):
-    pass
+    def __init__(self, *args, read_metadata: bool = False, **kwargs):
+        # The text and id columns only: on FineWeb the other columns (url, dump, date, ...) are most of each row.
+        super().__init__(*args, read_metadata=read_metadata, **kwargs)
 
 
 class PrismJsonlReader(NoPackageScan, NoFilePath, JsonlReader):
