@@ -5,8 +5,16 @@ EXIT_FINISHED = 0  # the token budget is done (prism train), or the verb did wha
 EXIT_BAD_INPUT = 2  # one line naming the cause and the fix, no traceback
 EXIT_STOPPED = 3  # prism train: a stop signal (SIGTERM/SIGUSR1/SIGUSR2/SIGINT), checkpointed: requeue to resume
 EXIT_NONFINITE = 4  # prism train: NaN/inf loss, diagnostics written, the last good checkpoint kept: no requeue
+# prism train: the infrastructure failed, not the input (checkpoint writes failing in a row, a lost rank, a
+# collective timeout): the job script restarts or requeues it, within its bounds, from the last intact tag
+EXIT_INFRA = 5
 
 TRAIN_EXIT_CODES = (
     f"{EXIT_FINISHED} done, {EXIT_BAD_INPUT} bad input, {EXIT_STOPPED} stopped by a signal after a checkpoint "
-    f"(requeue), {EXIT_NONFINITE} NaN/inf loss"
+    f"(requeue), {EXIT_NONFINITE} NaN/inf loss, {EXIT_INFRA} infrastructure fault (retried)"
 )
+
+
+class InfrastructureFault(RuntimeError):
+    """Raised by the core when the machine, not the input, failed; `prism train` writes the exit record
+    `infra STEP` and exits EXIT_INFRA. Bad input is never this: it stays EXIT_BAD_INPUT and is not retried."""

@@ -43,7 +43,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
-from pipeline.exit_codes import EXIT_FINISHED, EXIT_NONFINITE, EXIT_STOPPED
+from pipeline.exit_codes import EXIT_FINISHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED, InfrastructureFault
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -438,7 +438,15 @@ def train(cfg: Config) -> dict[str, Any]:
     if resume.finished:
         return already_finished(cfg, resume)
     run = setup(cfg, resume)
-    return finish(run, loop(run))
+    try:
+        exit_code = loop(run)
+    except InfrastructureFault as fault:
+        say(
+            f"prism train: error: infrastructure fault at step {run.state.step}: {fault}; exiting with "
+            f"{EXIT_INFRA} (the job script retries it from the last intact checkpoint)"
+        )
+        exit_code = EXIT_INFRA
+    return finish(run, exit_code)
 
 
 def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
@@ -570,12 +578,16 @@ def finish(run: Run, exit_code: int) -> dict[str, Any]:
 
     from pipeline.distributed import write_exit_record
 
-    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite"}[exit_code]
+    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite", EXIT_INFRA: "infra"}[
+        exit_code
+    ]
     if dist.get_rank() == 0:  # before restoring the signal handlers: a late stop signal must not kill us first
         write_exit_record(reason, run.state.step)
     run.stopper.restore()
     run.loader.close()
-    run.tracker.finish({EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED"}[exit_code])
+    run.tracker.finish(
+        {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED", EXIT_INFRA: "FAILED"}[exit_code]
+    )
     return {
         "steps": run.state.step,
         "total_steps": run.total_steps,
