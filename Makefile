@@ -12,7 +12,7 @@ TORCH312_VERSION ?= 2.14.1
 PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do $$p -V >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP312 := $(VENV312)/.installed
 
-.PHONY: setup setup-py312 test test-unit test-py312 lint demo clean-demo bench bench-quick
+.PHONY: setup setup-py312 test test-unit test-py312 lint demo clean-demo bench bench-quick docs docs-demo
 
 setup: $(STAMP)
 
@@ -46,6 +46,14 @@ test-unit: setup
 
 demo: setup
 	$(VENV)/bin/prism demo
+
+# Rewrite what README.md and docs/ show from the code: the config reference (from the schema) and every
+# transcript (pipeline/cli/docs.py). Seconds; `make docs-demo` also reruns `prism demo` for the README excerpt.
+docs: setup
+	$(PY) -m pipeline.cli.docs
+
+docs-demo: setup
+	$(PY) -m pipeline.cli.docs --demo
 
 # Speed targets: each script prints ratios measured in one run (this machine is noisy). Each builds what it
 # needs (benchmarks/_common.py), so both targets run on a fresh clone.
