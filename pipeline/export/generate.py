@@ -18,10 +18,19 @@ def load(folder: str | Path):
     config = folder / "config.json"
     if not config.is_file():
         raise ConfigError(f"{folder}: no config.json; pass a `prism export` folder or a checkpoint")
-    ours = json.loads(config.read_text()).get("model_type") == "prism"
-    with library_output_to_log():  # transformers' "Loading weights" bar is library output, not ours
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=ours).eval()
-        return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=ours)
+    try:
+        ours = json.loads(config.read_text()).get("model_type") == "prism"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config}: not valid JSON ({e}); export the checkpoint again with prism export") from None
+    try:
+        with library_output_to_log():  # transformers' "Loading weights" bar is library output, not ours
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=ours).eval()
+            return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=ours)
+    except OSError as e:  # transformers' word for a missing or unreadable weights/tokenizer file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{folder}: cannot load the export ({first}); export the checkpoint again with prism export"
+        ) from None
 
 
 def generate(model_path, prompt, max_new_tokens=64, temperature=0.8, top_k=50, top_p=1.0, seed=0, stream=True):

@@ -114,6 +114,10 @@ def default_out(cfg: Config, tag_dir: Path) -> Path:
 def check_out(out: Path, force: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"--out {out}: exists and is not empty; pass --force to replace it, or another --out")
+    # a regular file on the way (`--out notes.txt/hf`): mkdir would raise FileExistsError/NotADirectoryError
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"--out {out}: {blocker} is a file, not a folder; pass an --out whose parents are folders")
 
 
 def run_facts(tag_dir: Path) -> dict[str, Any]:

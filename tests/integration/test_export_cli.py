@@ -242,3 +242,25 @@ def test_tp2_checkpoint_exports_whole(tiny_checkpoints, tmp_path):
     (tag / "mp_rank_01_model_states.pt").unlink()
     assert "mp_rank_01" in error_line(prism("export", str(tag), "--out", str(tmp_path / "hf2")), "export")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_broken_out_and_broken_exports_are_one_line(exports, tiny_checkpoints, tmp_path):
+    # --out under a regular file: was FileExistsError from mkdir
+    (tmp_path / "notes.txt").write_text("a file, not a folder\n")
+    line = error_line(
+        prism("export", str(tiny_checkpoints.uniform), "--out", str(tmp_path / "notes.txt" / "hf")), "export"
+    )
+    assert "notes.txt is a file" in line
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a folder\n"
+    # an export whose config.json was cut short: was JSONDecodeError
+    truncated = tmp_path / "truncated"
+    shutil.copytree(exports / "uniform", truncated)
+    text = (truncated / "config.json").read_text()
+    (truncated / "config.json").write_text(text[: len(text) // 2])
+    assert "not valid JSON" in error_line(prism("generate", str(truncated), "--prompt", "The"), "generate")
+    # an export without its weights: was OSError from from_pretrained
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(exports / "prism", no_weights)
+    for f in no_weights.glob("*.safetensors*"):
+        f.unlink()
+    assert "cannot load the export" in error_line(prism("generate", str(no_weights), "--prompt", "The"), "generate")
