@@ -136,6 +136,38 @@ def memory_per_gpu(cfg: Config, dp_size: int) -> dict[str, float]:
     return out
 
 
+# --- milestones: what the kept checkpoints cost on disk -------------------------------------------------------
+def checkpoint_bytes(cfg: Config) -> dict[str, float]:
+    """Bytes of one checkpoint (all ranks together) by kind, as DeepSpeed ZeRO-1/2 writes them: the module's
+    weights in the training dtype (mp_rank_*_model_states.pt, what eval and export read), plus in the
+    optimizer files the fp32 master copy (DeepSpeed keeps one in fp32 runs too) and AdamW's two fp32 moments."""
+    n = parameter_count(cfg)
+    out = {"weights": n * (2 if cfg.train.precision == "bf16" else 4), "masters": n * 4.0, "moments": n * 8.0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def milestone_line(cfg: Config, steps: int) -> str:
+    """The plan's line on milestone checkpoints (checkpoint.keep_every_steps): how many, their size on disk."""
+    c, size = cfg.checkpoint, checkpoint_bytes(cfg)
+    full = (
+        f"a full one {size['total'] / 1e9:.2f} GB = weights {size['weights'] / 1e9:.2f} + fp32 masters "
+        f"{size['masters'] / 1e9:.2f} + AdamW moments {size['moments'] / 1e9:.2f}"
+    )
+    if not c.keep_every_steps:
+        return (
+            f"  milestones   none (checkpoint.keep_every_steps=0); {full}, weights-only {size['weights'] / 1e9:.2f} GB"
+        )
+    count = steps // c.keep_every_steps + (steps % c.keep_every_steps > 0)  # the last step is one too
+    thin = c.milestone_weights_only and cfg.parallel.zero_stage in (1, 2)  # checkpoint.weights_only's condition
+    each = size["weights"] if thin else size["total"]
+    kind = "weights-only" if thin else "full (weights-only: checkpoint.milestone_weights_only, ZeRO-1/2)"
+    return (
+        f"  milestones   {count} (every {c.keep_every_steps:,} steps = {c.keep_every_steps * cfg.train.batch_tokens:,} "
+        f"tokens, and the last), {kind}: {count * each / 1e9:,.1f} GB on disk; {full}"
+    )
+
+
 # --- the whole budget -------------------------------------------------------------------------------------
 @dataclass
 class Budget:
@@ -231,6 +263,7 @@ def format_budget(cfg: Config, budget: Budget) -> str:
         f"{mem['gradients'] / GIB:.2f} + optimizer {mem['optimizer'] / GIB:.2f} + activations "
         f"{mem['activations'] / GIB:.2f} (ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; estimate)",
         f"  FLOPs/token  {budget.flops_per_token:,} (training, attention counted in full)",
+        milestone_line(cfg, budget.steps),
     ]
     if budget.wall_seconds is None:
         lines.append(f"  wall time    unknown at MFU {budget.mfu:.0%}: pass --peak-tflops (e.g. 989 for H100 SXM bf16)")

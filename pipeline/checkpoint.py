@@ -79,12 +79,14 @@ def latest_tag(checkpoint_dir: Path) -> str | None:
     return tag
 
 
-def resolve_tag_dir(path: str | Path) -> Path:
+def resolve_tag_dir(path: str | Path, step: int | None = None) -> Path:
     """The tag folder ``path`` names: a tag folder, a checkpoint folder (its `latest`) or a run folder
-    (``<run_dir>/checkpoints/latest``)."""
+    (``<run_dir>/checkpoints/latest``); with ``step``, that step's tag of the run (a milestone, say)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: checkpoint not found; pass a tag folder (.../step-0000123) or a checkpoint folder")
+    if step is not None:
+        return _tag_at_step(path, step)
     for candidate in (path, path / "checkpoints"):
         if config_file(candidate).is_file():
             return candidate
@@ -92,6 +94,28 @@ def resolve_tag_dir(path: str | Path) -> Path:
         if tag is not None:
             return candidate / tag
     raise ConfigError(f"{path}: neither a checkpoint tag folder (config.yaml) nor a folder with a `latest` file")
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder holding a run's tags: ``path`` itself, a run folder's checkpoints/, or a tag's parent."""
+    path = Path(path)
+    for candidate in (path / "checkpoints", path):
+        if candidate.is_dir() and (read_latest(candidate) is not None or any(candidate.glob("step-*"))):
+            return candidate
+    if config_file(path).is_file():
+        return path.parent
+    raise ConfigError(f"{path}: no checkpoints in it; pass a run folder, its checkpoints/ folder or a tag folder")
+
+
+def _tag_at_step(path: Path, step: int) -> Path:
+    folder = checkpoint_folder(path)
+    tag_dir = folder / tag_for(step)
+    if config_file(tag_dir).is_file():
+        return tag_dir
+    have = sorted(s for p in folder.glob("step-*") if (s := _tag_step(p.name)) is not None)
+    marks = set(milestone_tags(folder))
+    listed = ", ".join(f"{s}{' (milestone)' if tag_for(s) in marks else ''}" for s in have) or "none"
+    raise ConfigError(f"{folder}: no checkpoint at step {step}; steps kept: {listed}")
 
 
 # --- integrity: what a complete checkpoint holds ----------------------------------------------------------
@@ -219,6 +243,9 @@ def resume_point(cfg: Config) -> Resume:
     damaged: list[str] = [pointer_problem] if pointer_problem else []
     chosen = None
     for tag in tags:
+        if (read_integrity(ckpt_dir / tag) or {}).get("weights_only"):
+            damaged.append(f"{tag}: a weights-only milestone (its optimizer state was dropped), not resumable")
+            continue
         problem = verify(ckpt_dir / tag)
         if problem and tag == named and not any((ckpt_dir / t / INTEGRITY).is_file() for t in tags):
             problem = _legacy_problem(ckpt_dir / tag)  # a run from before integrity records existed
@@ -441,7 +468,7 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     try:
         if dist.get_rank() == 0:
             write_atomic(ckpt_dir / LATEST, tag)
-            prune(ckpt_dir, cfg.checkpoint.keep_last, keep=tag)
+            prune(ckpt_dir, cfg, keep=tag)
     except OSError as e:
         failure = e
     _agree_on_failure(failure, ckpt_dir, tag, previous)
@@ -474,11 +501,68 @@ def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, p
     )
 
 
-def prune(checkpoint_dir: Path, keep_last: int, keep: str) -> None:
-    tags = sorted(p.name for p in Path(checkpoint_dir).glob("step-*") if p.is_dir())
-    for old in tags[: max(0, len(tags) - max(1, keep_last))]:
-        if old != keep:
-            shutil.rmtree(Path(checkpoint_dir) / old, ignore_errors=True)
+# --- which tags survive: keep_last, milestones ----------------------------------------------------------
+# A milestone tag says so in its integrity record ("milestone": true, set by prune right after its commit). A
+# weights-only one also has "weights_only": true and lists only the files it kept ("dropped": the others):
+# the record stays true to the folder, and the resume passes it over.
+OPTIMIZER_FILES = ("*optim_states.pt",)  # what a weights-only milestone drops (ZeRO partitions, AdamW)
+
+
+def is_milestone(step: int, keep_every_steps: int, total_steps: int) -> bool:
+    """The milestone rule (step_actions forces a checkpoint there, prune keeps it): every keep_every_steps-th
+    step and the last one; none when keep_every_steps is 0."""
+    return keep_every_steps > 0 and (step % keep_every_steps == 0 or step == total_steps)
+
+
+def prune(checkpoint_dir: Path, cfg: Config, keep: str) -> None:
+    """After ``keep`` is committed (rank 0): mark it a milestone when it is one; of the other tags, the newest
+    checkpoint.keep_last stay as they are, older milestones stay (weights-only when
+    checkpoint.milestone_weights_only), everything else is deleted."""
+    ckpt_dir, c = Path(checkpoint_dir), cfg.checkpoint
+    step = _tag_step(keep)
+    if step is not None and is_milestone(step, c.keep_every_steps, cfg.steps(1)["total"]):
+        _update_record(ckpt_dir / keep, milestone=True)
+    tags = sorted(p.name for p in ckpt_dir.glob("step-*") if p.is_dir())
+    newest = set(tags[-max(1, c.keep_last) :]) | {keep}
+    for tag in tags:
+        if tag in newest:
+            continue
+        record = read_integrity(ckpt_dir / tag) or {}
+        if not record.get("milestone"):
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        elif c.milestone_weights_only or record.get("weights_only"):
+            weights_only(ckpt_dir / tag)
+
+
+def weights_only(tag_dir: Path) -> None:
+    """Drop a tag's optimizer files (idempotent): the record is rewritten first, without them, so a crash in
+    between leaves extra files, never a record naming missing ones. Only a tag whose weights are files of
+    their own (mp_rank_*_model_states.pt: ZeRO-1/2) is thinned; ZeRO-0 keeps the optimizer inside that file and
+    ZeRO-3 the weights inside the optimizer's, so theirs stay full."""
+    record = read_integrity(tag_dir) or {}
+    files = record.get("files", {})
+    dropped = sorted(
+        {*record.get("dropped", ()), *(n for n in files if any(Path(n).match(g) for g in OPTIMIZER_FILES))}
+    )
+    if not any(Path(n).match("mp_rank_*_model_states.pt") for n in files) or not dropped:
+        return
+    if not record.get("weights_only"):
+        kept = {n: v for n, v in files.items() if n not in dropped}
+        _update_record(tag_dir, weights_only=True, files=kept, dropped=dropped)
+    for name in dropped:
+        (Path(tag_dir) / name).unlink(missing_ok=True)
+
+
+def _update_record(tag_dir: Path, **changes: Any) -> None:
+    record = read_integrity(tag_dir)
+    if record is not None and any(record.get(k) != v for k, v in changes.items()):
+        write_atomic(Path(tag_dir) / INTEGRITY, json.dumps({**record, **changes}, indent=1))
+
+
+def milestone_tags(checkpoint_dir: Path) -> list[str]:
+    """The milestone tags of a checkpoint folder, oldest first."""
+    tags = sorted(p.name for p in Path(checkpoint_dir).glob("step-*") if _tag_step(p.name) is not None)
+    return [t for t in tags if (read_integrity(Path(checkpoint_dir) / t) or {}).get("milestone")]
 
 
 UNIVERSAL = ".universal"  # <checkpoint_dir>/.universal/<tag>: a tag converted for another TP/DP size, while it loads

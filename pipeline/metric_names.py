@@ -2,7 +2,7 @@
 
 One prefix per kind, so MLflow's chart view files each kind in its own section:
     train/  what the optimisation does: loss, lr, grad_norm, tokens_seen
-    val/    held-out loss
+    val/    held-out loss: val/loss on the run's own val split, val/<name>/loss on each of data.val_sets
     perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb
     eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
 The data budget of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
@@ -25,6 +25,11 @@ OLD_NAMES = {
     "perf/mfu_causal": "mfu_causal",
     "perf/memory_gb": "memory_gb",
 }
+
+
+def val_loss_metric(set_name: str | None) -> str:
+    """The loss of a validation set: val/loss for the run's own val split (None), else val/<name>/loss."""
+    return "val/loss" if set_name is None else f"val/{set_name}/loss"
 
 
 def metric_history(client: Any, run_id: str, name: str) -> list[Any]:

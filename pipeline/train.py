@@ -249,20 +249,22 @@ class StepActions:
     """What the loop does after one optimizer step; every flag implies ``sync``."""
 
     sync: bool  # read the loss and grad norm back to the host (the step's one device sync)
-    validate: bool
+    validate: bool  # every validation set (Config.validation_sets)
     log: bool
     checkpoint: bool
+    milestone: bool = False  # a checkpoint prune keeps (checkpoint.keep_every_steps)
 
 
 def step_actions(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepActions:
     """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
-    first step logs, the last does everything, a stop signal checkpoints; the others only read back on
-    a sync step, so their losses stay on the device until then."""
+    first step logs, the last does everything, a stop signal checkpoints, a milestone step checkpoints; the
+    others only read back on a sync step, so their losses stay on the device until then."""
     t, last = cfg.train, step == total_steps
     validate = step % t.val_every == 0 or last
     log = step == 1 or step % t.log_every == 0 or validate
-    checkpoint = step % cfg.checkpoint.every_steps == 0 or last or stop
-    return StepActions(sync=log or checkpoint, validate=validate, log=log, checkpoint=checkpoint)
+    milestone = checkpoint.is_milestone(step, cfg.checkpoint.keep_every_steps, total_steps)
+    save = step % cfg.checkpoint.every_steps == 0 or last or stop or milestone
+    return StepActions(sync=log or save, validate=validate, log=log, checkpoint=save, milestone=milestone)
 
 
 class UnreadSteps:

@@ -116,6 +116,38 @@ class SlurmExecutorConfig:
 
 
 @dataclass(frozen=True)
+class ValSetConfig:
+    """One named validation set of data.val_sets, logged as val/<name>/loss at train.val_every. It must be
+    tokenized with the run's tokenizer and model.seq_len (checked before step 1)."""
+
+    dataset_dir: str  # a prepared dataset folder (manifest.json)
+    split: Literal["train", "val"] = "val"  # which of its splits is read (first rows, in manifest order)
+    tokens: int | None = None  # tokens scored per validation; None: train.val_tokens
+    # `prism prepare` builds dataset_dir from this input (the run's tokenizer, seq_len and packing, every
+    # document to the val split); an embedded input that does not exist is built from embedded text the
+    # training corpus does not hold. None: dataset_dir is prepared elsewhere.
+    input: str | None = None
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """A set the trainer validates on, resolved: the run's own val split (name None, metric val/loss) or
+    one of data.val_sets. ``key`` names it in messages."""
+
+    name: str | None
+    dataset_dir: str
+    split: str
+    tokens: int
+    key: str
+
+    @property
+    def metric(self) -> str:
+        from pipeline.metric_names import val_loss_metric
+
+        return val_loss_metric(self.name)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     dataset_dir: str  # prepared webdataset folder (manifest.json + train/ + val/)
     input: str = "hf://datasets/HuggingFaceFW/fineweb/sample/10BT"
@@ -139,6 +171,8 @@ class DataConfig:
     # Hash every shard before step 1: true, false, or "auto" = when the dataset's shards total <= 1 GiB
     # (seconds to hash); larger datasets are hashed shard by shard as the loader first reads them.
     verify_on_start: bool | Literal["auto"] = "auto"
+    # More validation sets besides the val split of dataset_dir (that one stays val/loss): name -> set.
+    val_sets: dict[str, ValSetConfig] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,7 +188,14 @@ class TrackingConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
-    keep_last: int = 2
+    keep_last: int = 2  # the newest tags kept; older ones are deleted unless they are milestones
+    # Milestones: the checkpoints at every keep_every_steps-th step (and the last step) are never pruned, for
+    # scoring accuracy against tokens afterwards (`prism eval RUN_DIR --milestones`). 0: none. A multiple of
+    # every_steps.
+    keep_every_steps: int = 0
+    # A milestone older than the keep_last newest tags keeps only its weights (mp_rank_*_model_states.pt,
+    # what eval and export read): its optimizer files are dropped; resume never picks it.
+    milestone_weights_only: bool = False
     # Training-recipe keys (RECIPE_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after
     # a NaN; any other change of the recipe, model or data is refused on resume.
     allow_changes: tuple[str, ...] = ()
@@ -215,6 +256,15 @@ class Config:
     @property
     def experiment(self) -> str:
         return self.tracking.experiment or f"prism-{self.run.scale}"
+
+    def validation_sets(self) -> tuple[ValidationSet, ...]:
+        """Every set a validation step scores: the run's own val split first, then data.val_sets by name."""
+        own = ValidationSet(None, self.data.dataset_dir, "val", self.train.val_tokens, "data.dataset_dir")
+        named = (
+            ValidationSet(name, s.dataset_dir, s.split, s.tokens or self.train.val_tokens, f"data.val_sets.{name}")
+            for name, s in sorted(self.data.val_sets.items())
+        )
+        return (own, *named)
 
     def to_dict(self) -> dict[str, Any]:
         """The sections as plain YAML-shaped data (what a preset holds): no source, no derived values."""
@@ -321,6 +371,8 @@ __all__ = [
     "SlurmExecutorConfig",
     "TrackingConfig",
     "TrainConfig",
+    "ValSetConfig",
+    "ValidationSet",
     "apply_overrides",
     "changed_keys",
     "expand_output_dir",

@@ -57,7 +57,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {str(k): str(v) for k, v in value.items()}
+        item = typing.get_args(tp)[1]
+        if item is str:  # sbatch_args: flags and values as the shell sees them
+            return {str(k): str(v) for k, v in value.items()}
+        return {str(k): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -132,10 +135,14 @@ OUTPUT_DIR_KEYS = (("data", "dataset_dir"), ("data", "input"), ("data", "tokeniz
 def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
     out_dir = str((data.get("run") or {}).get("output_dir") or RunConfig.output_dir)
     data = copy.deepcopy(data)
-    for section, key in OUTPUT_DIR_KEYS:
-        value = (data.get(section) or {}).get(key)
+    val_sets = (data.get("data") or {}).get("val_sets")
+    places = [(data.get(section), key) for section, key in OUTPUT_DIR_KEYS]
+    if isinstance(val_sets, dict):  # each set's folder and input, like data.dataset_dir and data.input
+        places += [(spec, key) for spec in val_sets.values() for key in ("dataset_dir", "input")]
+    for node, key in places:
+        value = node.get(key) if isinstance(node, dict) else None
         if isinstance(value, str) and "{output_dir}" in value:
-            data[section][key] = value.replace("{output_dir}", out_dir)
+            node[key] = value.replace("{output_dir}", out_dir)
     return data
 
 

@@ -32,6 +32,8 @@ EXECUTION_ONLY_KEYS = (
     # how the same math runs (kernels, fusions): the weights and their names do not change
     "model.attention_backend",
     "model.fusions",
+    # what is measured besides training, not what is trained: a resume may add or drop a validation set
+    "data.val_sets",
 )
 # The training recipe: keys that change the training trajectory (LR schedule, optimizer, numerics) but not
 # what a checkpoint holds: a resume refuses a change unless checkpoint.allow_changes names the key.

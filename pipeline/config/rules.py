@@ -93,6 +93,7 @@ RANGES: dict[str, Range] = {
     "tracking.milestones[]": POSITIVE,  # val-loss thresholds
     "checkpoint.every_steps": AT_LEAST_1,
     "checkpoint.keep_last": AT_LEAST_1,  # 0 would delete the checkpoint just written
+    "checkpoint.keep_every_steps": NON_NEGATIVE,  # 0: no milestones
 }
 # Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
 # (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".
@@ -106,6 +107,7 @@ NON_EMPTY_KEYS = (
 )
 NAME_KEYS = ("run.scale", "tracking.experiment")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+VAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -170,6 +172,34 @@ def check_combinations(cfg: Config) -> None:
     for key in cfg.checkpoint.allow_changes:
         if key not in RECIPE_KEYS:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
+    check_milestones(cfg)
+    check_val_sets(cfg)
+
+
+def check_milestones(cfg: Config) -> None:
+    c = cfg.checkpoint
+    if c.keep_every_steps % c.every_steps:
+        below = c.keep_every_steps // c.every_steps * c.every_steps
+        suggest = ", ".join(str(v) for v in (below, below + c.every_steps) if v > 0)
+        raise ConfigError(
+            f"{cfg.source}: checkpoint.keep_every_steps: {c.keep_every_steps} is not a multiple of "
+            f"checkpoint.every_steps={c.every_steps} (a milestone is a checkpoint that is kept); use e.g. {suggest}"
+        )
+
+
+def check_val_sets(cfg: Config) -> None:
+    """data.val_sets: each name becomes a metric (val/<name>/loss), so a plain name; a positive token count."""
+    for name, spec in cfg.data.val_sets.items():
+        key = f"data.val_sets.{name}"
+        if not VAL_SET_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{cfg.source}: {key}: {name!r} is not a plain name (letters, digits, _ . -); it names the "
+                f"metric val/<name>/loss"
+            )
+        if not spec.dataset_dir.strip():
+            raise ConfigError(f"{cfg.source}: {key}.dataset_dir: is empty; give a prepared dataset folder")
+        if spec.tokens is not None and spec.tokens < 1:
+            raise ConfigError(f"{cfg.source}: {key}.tokens: {spec.tokens} must be >= 1 (or null: train.val_tokens)")
 
 
 def check_replication(cfg: Config) -> None:

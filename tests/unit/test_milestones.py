@@ -1,0 +1,102 @@
+"""Milestone checkpoints (checkpoint.keep_every_steps) on hand-made tag folders: which tags pruning keeps, what
+a weights-only milestone holds, that a resume never picks one, and how readers name a milestone by its step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import checkpoint
+from pipeline.config import ConfigError
+from pipeline.train import step_actions
+from tests.unit.test_checkpoint_integrity import cfg_in, make_tag
+
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+# 24 steps of 1024 tokens, a checkpoint every 2 steps, a milestone every 6, the newest 2 kept
+POLICY = ("train.train_tokens=24576", "checkpoint.every_steps=2", "checkpoint.keep_every_steps=6")
+
+
+def save_steps(cfg, steps) -> None:
+    """What the trainer's save does for each step, minus DeepSpeed: a committed tag, then prune."""
+    for step in steps:
+        make_tag(cfg, step)
+        checkpoint.prune(cfg.checkpoint_dir, cfg, keep=checkpoint.tag_for(step))
+
+
+def kept(cfg) -> list[int]:
+    return sorted(int(p.name[5:]) for p in cfg.checkpoint_dir.glob("step-*"))
+
+
+def test_milestones_survive_pruning_and_keep_last_bounds_the_rest(tmp_path):
+    cfg = cfg_in(tmp_path, *POLICY, "checkpoint.keep_last=2")
+    save_steps(cfg, range(2, 25, 2))
+    assert kept(cfg) == [6, 12, 18, 22, 24]  # 24 is the last step: a milestone too
+    assert checkpoint.milestone_tags(cfg.checkpoint_dir) == [checkpoint.tag_for(s) for s in (6, 12, 18, 24)]
+    for step in (6, 12, 18):  # full milestones: still resumable, record untouched but for the mark
+        assert (cfg.checkpoint_dir / checkpoint.tag_for(step) / OPTIM).is_file()
+        assert checkpoint.verify(cfg.checkpoint_dir / checkpoint.tag_for(step)) is None
+    # without milestones the same saves keep the newest two only
+    plain = cfg_in(tmp_path / "plain", "train.train_tokens=24576", "checkpoint.every_steps=2")
+    save_steps(plain, range(2, 25, 2))
+    assert kept(plain) == [22, 24] and checkpoint.milestone_tags(plain.checkpoint_dir) == []
+
+
+def test_weights_only_milestones_keep_what_readers_need_and_are_never_resumed(tmp_path):
+    cfg = cfg_in(tmp_path, *POLICY, "checkpoint.keep_last=1", "checkpoint.milestone_weights_only=true")
+    save_steps(cfg, range(2, 15, 2))  # 2 .. 14
+    assert kept(cfg) == [6, 12, 14]
+    six = cfg.checkpoint_dir / "step-0000006"
+    assert not (six / OPTIM).exists() and (six / checkpoint.MODEL_STATES).is_file()
+    record = json.loads((six / checkpoint.INTEGRITY).read_text())
+    assert record["weights_only"] and record["dropped"] == [OPTIM] and OPTIM not in record["files"]
+    assert checkpoint.verify(six) is None  # the record is true to what the folder holds
+    assert checkpoint.resolve_tag_dir(cfg.checkpoint_dir, step=6) == six  # readers name it by its step
+    # the newest tag breaks: the resume passes the weights-only milestones over, and says so
+    (cfg.checkpoint_dir / "step-0000014" / OPTIM).unlink()
+    with pytest.raises(ConfigError, match=r"step-0000012: a weights-only milestone .* not resumable"):
+        checkpoint.resume_point(cfg)
+    # a crash between the record and the deletes leaves an extra file, which the next prune removes
+    (six / OPTIM).write_bytes(b"o" * 512)
+    checkpoint.prune(cfg.checkpoint_dir, cfg, keep="step-0000014")
+    assert not (six / OPTIM).exists()
+
+
+def test_step_actions_checkpoint_every_milestone_and_a_step_names_a_tag(tmp_path):
+    cfg = cfg_in(tmp_path, *POLICY)
+    actions = {s: step_actions(cfg, s, 24) for s in range(1, 25)}
+    assert [s for s, a in actions.items() if a.milestone] == [6, 12, 18, 24]
+    assert all(actions[s].checkpoint and actions[s].sync for s in (6, 12, 18, 24))
+    make_tag(cfg, 6)
+    with pytest.raises(ConfigError, match=r"no checkpoint at step 4; steps kept: 6$"):
+        checkpoint.resolve_tag_dir(cfg.checkpoint_dir.parent, step=4)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "checkpoint.keep_every_steps=3",
+            r"checkpoint\.keep_every_steps: 3 is not a multiple of checkpoint\.every_steps=2",
+        ),
+        ("checkpoint.keep_every_steps=-2", r"checkpoint\.keep_every_steps: -2 must be >= 0"),
+    ],
+)
+def test_keep_every_steps_bad_input_names_the_key(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg_in(tmp_path, "checkpoint.every_steps=2", override)
+
+
+def test_plan_states_what_milestones_cost_and_refuses_a_bad_keep_every_in_one_line(capsys):
+    from pipeline.cli import main
+
+    assert main(["plan", "configs/prism_757m.yaml", "--gpus-per-node", "8"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("milestones"))
+    # 39,997 steps: 19 milestones every 2,000 and the last; 757M parameters x 2 bytes each (bf16 weights)
+    assert "20 (every 2,000 steps" in line and "weights-only: 30.3 GB" in line
+    assert "a full one 10.60 GB = weights 1.51 + fp32 masters 3.03 + AdamW moments 6.06" in line
+    assert main(["plan", "configs/prism_757m.yaml", "checkpoint.keep_every_steps=1500"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and "checkpoint.keep_every_steps: 1500 is not a multiple of checkpoint.every_steps=1000" in err[0]
+    )
