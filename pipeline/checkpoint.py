@@ -151,12 +151,27 @@ def _hash_shared(paths: list[Path]) -> dict[str, str]:
 
 def write_integrity(tag_dir: Path, meta: dict[str, Any]) -> None:
     """Every rank: hash the tag folder's files (shared out); rank 0 writes the record atomically, last."""
-    files = sorted(p for p in Path(tag_dir).iterdir() if p.is_file() and not p.name.startswith("."))
-    files = [p for p in files if p.name != INTEGRITY]
+    files = tag_files(tag_dir)
     hashes = _hash_shared(files)
     if _world()[0] == 0:
-        record = {**meta, "files": {p.name: {"size": p.stat().st_size, "sha256": hashes[p.name]} for p in files}}
-        write_atomic(Path(tag_dir) / INTEGRITY, json.dumps(record, indent=1))
+        write_record(tag_dir, meta, {p.name: {"size": p.stat().st_size, "sha256": hashes[p.name]} for p in files})
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """One file's entry in the integrity record."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def tag_files(tag_dir: Path) -> list[Path]:
+    """The files the integrity record covers: every visible file of the tag folder but the record."""
+    return sorted(
+        p for p in Path(tag_dir).iterdir() if p.is_file() and not p.name.startswith(".") and p.name != INTEGRITY
+    )
+
+
+def write_record(tag_dir: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+    """The integrity record, atomically: the last file of a tag."""
+    write_atomic(Path(tag_dir) / INTEGRITY, json.dumps({**meta, "files": files}, indent=1))
 
 
 def read_integrity(tag_dir: Path) -> dict[str, Any] | None:
@@ -415,14 +430,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 # --- save / load (every rank calls these) -------------------------------------------------------------
 class CheckpointWriteError(ConfigError):
-    """A checkpoint could not be written (disk full, file-size limit, permissions): one line, exit 2."""
+    """A checkpoint could not be written (disk full, file-size limit, permissions); ``cause`` in a few words.
+    The trainer's failure policy (pipeline.checkpoint_writer) decides whether the run goes on."""
+
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
-def save(engine: Any, cfg: Config, state: TrainState) -> str:
-    """Write tag ``step-NNNNNNN`` for ``state.step``; the per-rank parts are gathered over all ranks.
-
-    Order: DeepSpeed's files and config.yaml, then the integrity record, then ``latest``; a failure on any
-    rank (agreed over all ranks) removes the partial folder and raises CheckpointWriteError."""
+def begin_save(cfg: Config, state: TrainState) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Every rank, before DeepSpeed writes tag ``step-NNNNNNN``: (tag, the client state with every rank's
+    loader position and RNG states gathered, the integrity record's fields). A folder left under that tag
+    (by a run rolled back past it, or a save that died) is removed first: two saves never mix."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -430,7 +449,6 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {k: own[k] for k in TrainState.PER_RANK})
     tag = tag_for(state.step)
-    ckpt_dir = cfg.checkpoint_dir
     dp_size = parallel_state.get_data_parallel_world_size()
     client_state = {
         "tokens_seen": own["tokens_seen"],
@@ -443,10 +461,23 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
             "dp_size": dp_size,
         },
     }
-    previous = read_latest(ckpt_dir)
-    if dist.get_rank() == 0 and (ckpt_dir / tag).exists():
-        shutil.rmtree(ckpt_dir / tag)  # left by a run rolled back past it, or damaged: never mix two saves
+    meta = {"step": own["step"], "tp": cfg.parallel.tp, "dp_size": dp_size, "world_size": dist.get_world_size()}
+    if dist.get_rank() == 0 and (cfg.checkpoint_dir / tag).exists():
+        shutil.rmtree(cfg.checkpoint_dir / tag)
     dist.barrier()
+    return tag, client_state, meta
+
+
+def save(engine: Any, cfg: Config, state: TrainState) -> str:
+    """Write tag ``step-NNNNNNN`` for ``state.step``; the per-rank parts are gathered over all ranks.
+
+    Order: DeepSpeed's files and config.yaml, then the integrity record, then ``latest``; a failure on any
+    rank (agreed over all ranks) removes the partial folder and raises CheckpointWriteError."""
+    import torch.distributed as dist
+
+    tag, client_state, meta = begin_save(cfg, state)
+    ckpt_dir = cfg.checkpoint_dir
+    previous = read_latest(ckpt_dir)
     failure = None
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
@@ -460,7 +491,6 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
         failure = e
     _agree_on_failure(failure, ckpt_dir, tag, previous)
     try:
-        meta = {"step": own["step"], "tp": cfg.parallel.tp, "dp_size": dp_size, "world_size": dist.get_world_size()}
         write_integrity(ckpt_dir / tag, meta)  # collective; every file is on disk (barrier in agree)
     except OSError as e:
         failure = e
@@ -476,29 +506,38 @@ def save(engine: Any, cfg: Config, state: TrainState) -> str:
 
 
 def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, previous: str | None) -> None:
-    """A collective: if any rank failed to write, every rank raises the same one-line error; the partial
-    folder is removed so nothing half-written stays (and its space comes back). ``latest`` is untouched."""
+    """A collective: if any rank failed to write, every rank raises the same one-line error (agreed_failure)."""
+    cause = agreed_failure(failure, ckpt_dir, tag)
+    if cause is None:
+        return
+    kept = f"the last good checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
+    raise CheckpointWriteError(
+        f"{cause} while writing checkpoint {tag} in {ckpt_dir}; {kept}; free space or point checkpoint.dir "
+        f"elsewhere, then resume",
+        cause=cause,
+    )
+
+
+def agreed_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, group: Any = None) -> str | None:
+    """A collective over ``group`` (default: all ranks): None if no rank failed to write ``tag``, else the first
+    failing rank's cause in a few words, the same on every rank. The partial folder is removed so nothing
+    half-written stays (and its space comes back); ``latest`` never names it."""
     import torch
     import torch.distributed as dist
 
-    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    on = "cuda" if group is None and dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
     flag = torch.tensor([0.0 if failure is None else 1.0], device=on)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
-        return
+        return None
     causes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(causes, None if failure is None else write_failure_cause(failure, ckpt_dir))
+    dist.all_gather_object(causes, None if failure is None else write_failure_cause(failure, ckpt_dir), group=group)
     if dist.get_rank() == 0:
         shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
         if read_latest(ckpt_dir) == tag:  # the pointer itself may have been the write that failed
             (Path(ckpt_dir) / LATEST).unlink(missing_ok=True)
-    dist.barrier()
-    cause = next(c for c in causes if c is not None)
-    kept = f"the last good checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
-    raise CheckpointWriteError(
-        f"{cause} while writing checkpoint {tag} in {ckpt_dir}; {kept}; free space or point checkpoint.dir "
-        f"elsewhere, then resume"
-    )
+    dist.barrier(group=group)
+    return next(c for c in causes if c is not None)
 
 
 # --- which tags survive: keep_last, milestones ----------------------------------------------------------

@@ -32,6 +32,7 @@ import numpy as np
 from pipeline import budget, checkpoint, data, model_size
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
+from pipeline.checkpoint_writer import Saver
 from pipeline.config import Config
 from pipeline.console import Pace, Progress, duration
 from pipeline.dataset import DataError, read_shard
@@ -255,15 +256,20 @@ class StepActions:
     milestone: bool = False  # a checkpoint prune keeps (checkpoint.keep_every_steps)
 
 
-def step_actions(cfg: Config, step: int, total_steps: int, stop: bool = False) -> StepActions:
+def step_actions(
+    cfg: Config, step: int, total_steps: int, stop: bool = False, minutes_due: bool = False
+) -> StepActions:
     """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
     first step logs, the last does everything, a stop signal checkpoints, a milestone step checkpoints; the
-    others only read back on a sync step, so their losses stay on the device until then."""
-    t, last = cfg.train, step == total_steps
+    others only read back on a sync step, so their losses stay on the device until then. With
+    checkpoint.every_minutes the clock replaces every_steps: ``minutes_due`` is the ranks' agreement, asked at
+    sync steps (Saver.minutes_due)."""
+    t, last, c = cfg.train, step == total_steps, cfg.checkpoint
     validate = step % t.val_every == 0 or last
     log = step == 1 or step % t.log_every == 0 or validate
-    milestone = checkpoint.is_milestone(step, cfg.checkpoint.keep_every_steps, total_steps)
-    save = step % cfg.checkpoint.every_steps == 0 or last or stop or milestone
+    milestone = checkpoint.is_milestone(step, c.keep_every_steps, total_steps)
+    by_steps = c.every_minutes is None and step % c.every_steps == 0
+    save = by_steps or minutes_due or last or stop or milestone
     return StepActions(sync=log or save, validate=validate, log=log, checkpoint=save, milestone=milestone)
 
 
@@ -425,6 +431,7 @@ class Run:
     total_steps: int
     warmup: int
     grad_accum: int
+    saver: Any = None  # pipeline.checkpoint_writer.Saver
     train_loss: float = float("nan")  # of the last sync step
     val_loss: float | None = None  # of the last validation
 
@@ -442,6 +449,7 @@ def train(cfg: Config) -> dict[str, Any]:
     run = setup(cfg, resume)
     try:
         exit_code = loop(run)
+        run.saver.close()  # the final or stop-signal save (or an earlier one still in flight) commits first
     except InfrastructureFault as fault:
         say(
             f"prism train: error: infrastructure fault at step {run.state.step}: {fault}; exiting with "
@@ -509,6 +517,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": budget.tokens_per_epoch(manifest, dp_size)}
     )
     run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
+    run.saver = Saver(engine, cfg, device)
     ranks = topology()  # a collective: every rank
     say(f"prism train: {topology_line(ranks)}")
     for line in resume_notes(resume):  # e.g. a damaged newest checkpoint and the one resumed from instead
@@ -549,6 +558,9 @@ def loop(run: Run) -> int:
         actions = step_actions(cfg, state.step, run.total_steps, stop)
         if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
+        run.saver.poll()  # a save in flight commits once every rank's background write is done
+        if cfg.checkpoint.every_minutes and not actions.checkpoint and run.saver.minutes_due():
+            actions = step_actions(cfg, state.step, run.total_steps, stop, minutes_due=True)
         if (bad := unread.read_back(recent)) is not None:  # the one host sync since the last sync step
             report_nonfinite(cfg, *bad, recent)
             return EXIT_NONFINITE
@@ -561,9 +573,8 @@ def loop(run: Run) -> int:
         if actions.log:
             log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, progress.pace(state.step))
         if actions.checkpoint:
-            with progress.aside("checkpoint"):
-                tag = checkpoint.save(run.engine, cfg, state)
-            say(f"prism train: checkpoint {cfg.checkpoint_dir / tag}")
+            with progress.aside("checkpoint"):  # the time the step is blocked: staging, or the whole write
+                run.saver.save(state, final=stop or state.step == run.total_steps)
         unread.restart_clock()  # the steps' own time (perf/step_time) leaves this step's extra work out
         if stop and state.step < run.total_steps:  # a signal at the final step: the run is done, nothing to resume
             say(

@@ -3,7 +3,7 @@
 - pipeline.compat.megatron: megatron-core's CUDA-only spots on a CPU torch, its RNG tracker states, the
   0.16 / 0.19 API differences, GPTModel's forward ending at the hidden states;
 - pipeline.compat.deepspeed: the adapters deepspeed.initialize needs, and the private DeepSpeed code Prism
-  copies (the sync-free optimizer step) behind an exact version check.
+  copies (the sync-free optimizer step, checkpoint files staged for a background write) behind an exact version check.
 
 Callers write ``from pipeline import compat; compat.X``: the names below are that interface.
 """
@@ -11,8 +11,10 @@ Callers write ``from pipeline import compat; compat.X``: the names below are tha
 from pipeline.compat.deepspeed import (
     DEEPSPEED_MIRRORED,
     MegatronMpu,
+    StagingCheckpointEngine,
     import_deepspeed,
     remove_host_syncs,
+    stage_checkpoint_writes,
     sync_free_bf16_step,
     zero_clip_without_host_reads,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "DEEPSPEED_MIRRORED",
     "SELF_ATTENTION_NEW_KWARGS",
     "MegatronMpu",
+    "StagingCheckpointEngine",
     "apply_cpu_shims",
     "cuda_available",
     "import_deepspeed",
@@ -43,6 +46,7 @@ __all__ = [
     "remove_host_syncs",
     "self_attention_extra_kwargs",
     "set_model_parallel_rng_states",
+    "stage_checkpoint_writes",
     "sync_free_bf16_step",
     "use_cpu_device",
     "zero_clip_without_host_reads",

@@ -299,3 +299,86 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
         for g in grad if isinstance(grad, list) else [grad]:
             # an invalid norm scales by 1/inf = 0; nan_to_num after it, as 0 * inf is NaN
             g.data.mul_(1.0 / combined_scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# ======================================================================================================
+# Non-blocking checkpoint writes: DeepSpeed's own files, written later.
+# ======================================================================================================
+def stage_checkpoint_writes(engine: Any) -> StagingCheckpointEngine | None:
+    """Make ``engine.save_checkpoint`` stage every file in host memory instead of writing it, so the
+    caller can write them in the background (pipeline.checkpoint_writer) with DeepSpeed's exact layout.
+
+    Relies on DeepSpeed 0.19.8 private behaviour: save_checkpoint hands every file's state dict to
+    ``engine.checkpoint_engine.save(state, path)`` (read at save time, not cached), and those dicts alias live
+    parameters and optimizer tensors. On another release: None and one warning line (saves stay synchronous)."""
+    global _WARNED_STAGING
+    if installed_deepspeed() != DEEPSPEED_MIRRORED:
+        if not _WARNED_STAGING:
+            log.warning(
+                "DeepSpeed %s is not %s: checkpoints are written synchronously (checkpoint.async_save has no "
+                "effect until pipeline.compat.deepspeed is checked against this release)",
+                installed_deepspeed(),
+                DEEPSPEED_MIRRORED,
+            )
+            _WARNED_STAGING = True
+        return None
+    if not isinstance(engine.checkpoint_engine, StagingCheckpointEngine):
+        engine.checkpoint_engine = StagingCheckpointEngine(engine.checkpoint_engine)
+    return engine.checkpoint_engine
+
+
+_WARNED_STAGING = False
+
+
+class StagingCheckpointEngine:
+    """DeepSpeed's checkpoint engine with ``save`` deferred: the state dict is copied to host memory (pinned
+    buffers on CUDA, kept between saves: one save is in flight at a time) and queued; ``take_staged``
+    returns the queue once the copies are done, ``write`` torch.saves one entry as DeepSpeed would have.
+    Everything else (load, makedirs, commit, ...) is the wrapped engine's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.staged: list[tuple[str, Any]] = []
+        self._host: dict[tuple[str, int], torch.Tensor] = {}  # (file name, n-th tensor) -> reused buffer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        copies: dict[int, torch.Tensor] = {}  # a tensor referenced twice (tied weights) is copied once
+        self.staged.append((path, self._to_host(state_dict, os.path.basename(path), copies)))
+
+    def commit(self, info: Any) -> bool:
+        return True  # the files are not written yet: pipeline.checkpoint_writer commits them
+
+    def take_staged(self) -> list[tuple[str, Any]]:
+        """The staged (path, host state dict) pairs; waits for the device-to-host copies to finish."""
+        if cuda_available():
+            torch.cuda.current_stream().synchronize()
+        staged, self.staged = self.staged, []
+        return staged
+
+    def write(self, state: Any, path: str) -> None:
+        torch.save(state, path, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+
+    def _to_host(self, value: Any, name: str, copies: dict[int, torch.Tensor]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in copies:
+                copies[id(value)] = self._host_copy(value, (name, len(copies)))
+            return copies[id(value)]
+        if isinstance(value, dict):
+            return type(value)((k, self._to_host(v, name, copies)) for k, v in value.items())
+        if isinstance(value, list):
+            return [self._to_host(v, name, copies) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            items = [self._to_host(v, name, copies) for v in value]
+            return value if all(a is b for a, b in zip(items, value, strict=True)) else tuple(items)
+        return value  # ints, strings, configs, numpy RNG states: fresh or never changed by a step
+
+    def _host_copy(self, t: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
+        t = t.detach()
+        buf = self._host.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            self._host[key] = buf
+        return buf.copy_(t, non_blocking=t.is_cuda)

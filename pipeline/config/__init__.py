@@ -188,6 +188,9 @@ class TrackingConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
+    # Save by the clock instead (minutes of training since the last save, decided at sync steps); when set,
+    # every_steps is not used. `prism plan` prints the Young-Daly interval for a layout.
+    every_minutes: float | None = None
     keep_last: int = 2  # the newest tags kept; older ones are deleted unless they are milestones
     # Milestones: the checkpoints at every keep_every_steps-th step (and the last step) are never pruned, for
     # scoring accuracy against tokens afterwards (`prism eval RUN_DIR --milestones`). 0: none. A multiple of
@@ -196,6 +199,11 @@ class CheckpointConfig:
     # A milestone older than the keep_last newest tags keeps only its weights (mp_rank_*_model_states.pt,
     # what eval and export read): its optimizer files are dropped; resume never picks it.
     milestone_weights_only: bool = False
+    # Write in the background: the step waits only for the copy to host memory (pipeline.checkpoint_writer).
+    async_save: bool = True
+    # Failed saves in a row (disk full, I/O error) before the run stops with exit 5 (infrastructure fault);
+    # a failed final or stop-signal save stops it at once.
+    max_failed_saves: int = 3
     # Training-recipe keys (RECIPE_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after
     # a NaN; any other change of the recipe, model or data is refused on resume.
     allow_changes: tuple[str, ...] = ()

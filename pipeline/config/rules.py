@@ -94,6 +94,8 @@ RANGES: dict[str, Range] = {
     "checkpoint.every_steps": AT_LEAST_1,
     "checkpoint.keep_last": AT_LEAST_1,  # 0 would delete the checkpoint just written
     "checkpoint.keep_every_steps": NON_NEGATIVE,  # 0: no milestones
+    "checkpoint.every_minutes": POSITIVE,
+    "checkpoint.max_failed_saves": AT_LEAST_1,
 }
 # Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
 # (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".

@@ -11,10 +11,12 @@ import json
 import resource
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from pipeline import checkpoint
 from tests.integration.test_train import ROOT, checkpoint_dir, command, env, metrics, overrides
 
 STEP3, STEP6 = "step-0000003", "step-0000006"
@@ -159,26 +161,146 @@ def test_an_accepted_plan_change_resumes(finished, copy_of):
     assert f"resumed from {STEP6}" in out.stdout and max(metrics(run)) == 8
 
 
-def test_disk_full_while_writing_a_checkpoint_is_one_line_and_keeps_the_last_good_one(finished, copy_of):
+def _rolled_back_to_step3(run: Path) -> Path:
+    """The copy as a run killed after step 3's checkpoint: the next save is step 6."""
+    ckpt = checkpoint_dir(run)
+    shutil.rmtree(ckpt / STEP6)
+    (ckpt / "latest").write_text(STEP3)
+    return ckpt
+
+
+def infra_fault_line(out: subprocess.CompletedProcess) -> str:
+    """Exit 5 (the job script retries it) and one error line, no traceback."""
+    assert out.returncode == 5, f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("prism train: error:")]
+    assert len(lines) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_disk_full_at_the_last_save_is_an_infrastructure_fault_that_keeps_the_last_good_one(
+    finished, copy_of, async_save
+):
     """A real write failure: the child's RLIMIT_FSIZE is below a checkpoint file's size (Python ignores
-    SIGXFSZ, so the kernel fails the write with EFBIG, as a full disk fails it with ENOSPC)."""
+    SIGXFSZ, so the kernel fails the write with EFBIG, as a full disk fails it with ENOSPC). The failed save
+    is the run's last, so the run cannot end well: exit 5, and the retry from step 3 finishes it."""
     _, _, ref = finished
     run, ov = copy_of
-    ckpt = checkpoint_dir(run)
-    shutil.rmtree(ckpt / STEP6)  # roll back to step 3: the next save is step 6
-    (ckpt / "latest").write_text(STEP3)
+    ckpt = _rolled_back_to_step3(run)
     limit = (ckpt / STEP3 / "mp_rank_00_model_states.pt").stat().st_size // 2
 
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    line = one_error_line(prism_train(ov, preexec=small_files))
-    assert f"while writing checkpoint {STEP6} in {ckpt}" in line and f"last good checkpoint {STEP3} is kept" in line
-    assert "file too large" in line
+    line = infra_fault_line(prism_train([*ov, f"checkpoint.async_save={async_save}"], preexec=small_files))
+    assert f"checkpoint {STEP6} failed (file too large" in line and f"latest is {STEP3}" in line, line
     assert (ckpt / "latest").read_text() == STEP3 and not (ckpt / STEP6).exists()  # nothing half-written
     out = prism_train(ov)  # space back: it resumes from the kept one and finishes
     assert out.returncode == 0 and f"resumed from {STEP3}" in out.stdout, out.stderr[-3000:]
     assert metrics(run)[6]["train/loss"] == ref[6]["train/loss"]
+
+
+def test_synchronous_and_background_saves_hold_the_same_state(finished, tmp_path):
+    """The reference run saved in the background (the default); the same run saving synchronously has
+    the same losses and, checkpoint for checkpoint, the same weights, fp32 masters and AdamW moments."""
+    import torch
+
+    src, ov, ref = finished
+    ov = [o for o in ov if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp_path}"]
+    out = prism_train([*ov, "checkpoint.async_save=false"])
+    assert out.returncode == 0 and "in the background" not in out.stdout, out.stderr[-3000:]
+    got = metrics(tmp_path)
+    assert [got[s]["train/loss"] for s in range(1, 7)] == [ref[s]["train/loss"] for s in range(1, 7)]
+    for tag in (STEP3, STEP6):
+        a, b = checkpoint_dir(src) / tag, checkpoint_dir(tmp_path) / tag
+        assert set(json.loads((a / "integrity.json").read_text())["files"]) == {p.name for p in b.iterdir()} - {
+            "integrity.json"
+        }
+        for name in ("mp_rank_00_model_states.pt", _optim_file(a).name):
+            x, y = (torch.load(d / name, map_location="cpu", weights_only=False) for d in (a, b))
+            _assert_same_tensors(x, y, f"{tag}/{name}")
+
+
+def _assert_same_tensors(x, y, where: str) -> None:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_same_tensors(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, list | tuple):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            _assert_same_tensors(u, v, f"{where}[{i}]")
+
+
+def test_disk_full_during_a_background_write_warns_and_training_goes_on(finished, copy_of):
+    _, _, ref = finished
+    run, ov = copy_of
+    ckpt = _rolled_back_to_step3(run)
+    out = subprocess.run(
+        command([*ov, "checkpoint.every_steps=1"], 1),
+        cwd=ROOT,
+        env={**env(), "PRISM_FAULT_CHECKPOINT_WRITE": "enospc:4"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    warning = [line for line in out.stdout.splitlines() if line.startswith("prism train: warning:")]
+    assert len(warning) == 1 and "step-0000004 failed (no space left on device)" in warning[0], out.stdout
+    assert "partial folder was removed" in warning[0] and "next save is attempted" in warning[0]
+    assert not (ckpt / "step-0000004").exists() and (ckpt / "latest").read_text() == STEP6
+    assert checkpoint.verify(ckpt / "step-0000005") is None and checkpoint.verify(ckpt / STEP6) is None
+    assert [metrics(run)[s]["train/loss"] for s in (4, 5, 6)] == [ref[s]["train/loss"] for s in (4, 5, 6)]
+
+
+def test_failed_saves_in_a_row_stop_the_run_as_an_infrastructure_fault(copy_of):
+    run, ov = copy_of
+    ckpt = _rolled_back_to_step3(run)
+    out = subprocess.run(
+        command([*ov, "checkpoint.every_steps=1", "checkpoint.max_failed_saves=2"], 1),
+        cwd=ROOT,
+        env={**env(), "PRISM_FAULT_CHECKPOINT_WRITE": "enospc:4,5"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = infra_fault_line(out)
+    assert "step-0000005 failed (no space left on device)" in line and "2 failed saves in a row" in line, line
+    assert (ckpt / "latest").read_text() == STEP3 and sorted(p.name for p in ckpt.glob("step-*")) == [STEP3]
+
+
+def test_kill_during_a_background_write_resumes_from_the_previous_intact_checkpoint(finished, copy_of):
+    """SIGKILL while step 6's files are being written (the writer stalls after its first file): `latest`
+    still names step 3, the partial step 6 is passed over, and the rerun's losses are the reference's."""
+    _, _, ref = finished
+    run, ov = copy_of
+    ckpt = _rolled_back_to_step3(run)
+    first_file = ckpt / STEP6 / "mp_rank_00_model_states.pt"
+    proc = subprocess.Popen(
+        command(ov, 1),
+        cwd=ROOT,
+        env={**env(), "PRISM_FAULT_CHECKPOINT_WRITE": "stall:6"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 240
+        while not first_file.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and first_file.exists(), "the write did not start, or the run ended"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert (ckpt / "latest").read_text() == STEP3 and not (ckpt / STEP6 / "integrity.json").exists()
+    out = prism_train(ov)
+    assert out.returncode == 0 and f"resumed from {STEP3}" in out.stdout, out.stderr[-3000:]
+    assert [metrics(run)[s]["train/loss"] for s in (4, 5, 6)] == [ref[s]["train/loss"] for s in (4, 5, 6)]
+    assert checkpoint.verify(ckpt / STEP6) is None and (ckpt / "latest").read_text() == STEP6
 
 
 @pytest.mark.parametrize("where", ["under a regular file", "not writable"])

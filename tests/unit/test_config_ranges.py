@@ -75,6 +75,9 @@ BAD = [
     ("tracking.experiment=../elsewhere", "tracking.experiment"),
     ("checkpoint.every_steps=0", "checkpoint.every_steps"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("checkpoint.every_minutes=0", "checkpoint.every_minutes"),
+    ("checkpoint.max_failed_saves=0", "checkpoint.max_failed_saves"),
+    ("checkpoint.async_save=sometimes", "checkpoint.async_save"),
 ]
 
 
@@ -93,7 +96,7 @@ def test_every_numeric_key_has_a_range():
     numeric = {
         k for k, v in config.flatten(cfg.to_dict()).items() if isinstance(v, int | float) and not isinstance(v, bool)
     }
-    numeric |= {"train.peak_flops", "tracking.milestones"}  # None / a list in this preset
+    numeric |= {"train.peak_flops", "tracking.milestones", "checkpoint.every_minutes"}  # None / a list in this preset
     ranged = {k.removesuffix("[]") for k in config.RANGES}
     assert numeric - ranged == set()
 
@@ -103,6 +106,7 @@ def test_every_numeric_key_has_a_range():
     [
         ("train.val_every=0", "train.val_every"),  # ZeroDivisionError after the first step, before
         ("checkpoint.every_steps=0", "checkpoint.every_steps"),
+        ("checkpoint.every_minutes=-5", "checkpoint.every_minutes"),
         ("train.lr=-1", "train.lr"),
         ("run.scale=../../x", "run.scale"),
     ],

@@ -156,3 +156,49 @@ def test_step_actions_by_hand():
     assert [s for s, a in actions.items() if a.sync] == [1, 2, 3, 4, 6, 7]
     assert step_actions(cfg, 5, 7, stop=True).checkpoint and step_actions(cfg, 5, 7, stop=True).sync
     assert not step_actions(cfg, 5, 7, stop=True).validate
+
+
+def test_step_actions_with_a_checkpoint_clock():
+    """checkpoint.every_minutes replaces every_steps: a step checkpoints when the ranks agreed the clock is
+    due (asked at sync steps), at the last step and on a stop signal."""
+    from pipeline import config
+    from pipeline.train import step_actions
+
+    cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "checkpoint.every_minutes=30"])
+    assert not any(step_actions(cfg, step, 9).checkpoint for step in range(1, 9))
+    assert step_actions(cfg, 9, 9).checkpoint and step_actions(cfg, 3, 9, stop=True).checkpoint
+    due = step_actions(cfg, 4, 9, minutes_due=True)
+    assert due.checkpoint and due.sync
+
+
+def test_staged_checkpoint_files_are_host_copies_taken_at_save_time():
+    """What DeepSpeed hands the staging engine aliases live tensors: the staged copy must not move when
+    training changes them, a tensor referenced twice (tied weights) stays one tensor, and the host buffers
+    are reused by the next save (one save in flight at a time)."""
+    import torch
+
+    from pipeline.compat import StagingCheckpointEngine
+
+    class Inner:
+        zipfile_serialization = True
+
+        def load(self, path, map_location=None):
+            return "inner load"
+
+    engine = StagingCheckpointEngine(Inner())
+    weight, moment = torch.arange(6.0).view(2, 3), torch.ones(4)
+    state = {"module": {"a": weight, "tied": weight}, "optim": [{"exp_avg": moment, "step": 3}], "shape": (2, 3)}
+    engine.save(state, "/x/step-1/mp_rank_00_model_states.pt")
+    [(path, staged)] = engine.take_staged()
+    weight.add_(100.0)
+    moment.zero_()
+    assert path.endswith("mp_rank_00_model_states.pt") and staged["shape"] == (2, 3)
+    assert torch.equal(staged["module"]["a"], torch.arange(6.0).view(2, 3))
+    assert staged["module"]["a"] is staged["module"]["tied"] and torch.equal(
+        staged["optim"][0]["exp_avg"], torch.ones(4)
+    )
+    assert staged["optim"][0]["step"] == 3 and engine.load("p") == "inner load"
+    engine.save(state, "/x/step-2/mp_rank_00_model_states.pt")
+    [(_, again)] = engine.take_staged()
+    assert again["module"]["a"].data_ptr() == staged["module"]["a"].data_ptr()  # the same host buffer
+    assert torch.equal(again["module"]["a"], weight)
