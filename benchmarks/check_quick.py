@@ -28,6 +28,13 @@ FIELDS = {
         "arms.prism.peak_memory_gb",
         "arms.uniform.peak_memory_gb",
     ],
+    "bench_checkpoint": [
+        "ratio_blocked_non_blocking_over_sync",
+        "sync_blocked_s",
+        "non_blocking_blocked_s",
+        "non_blocking_background_s",
+        "bytes_per_save",
+    ],
     "bench_loss": [
         "fp32_logits_mb",
         *(f"{d}_{f}" for d in ("bf16", "fp32") for f in ("peak_mb_megatron_fp32", "peak_mb_chunked", "peak_drop_mb")),

@@ -6,6 +6,8 @@ plus ``config.yaml`` and ``integrity.json`` (every file's size and sha256, writt
 ``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp + rename) only after every rank
 has finished writing and the integrity record is on disk, so a checkpoint killed half-way is never picked up.
 Before a resume the record is checked; a damaged newest checkpoint falls back to the newest intact one kept.
+During training, pipeline.checkpoint_writer decides how a save is written (synchronously with ``save`` here,
+or staged and written in the background) and when it commits; the record and ``latest`` keep this order.
 
 Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "config_hash"}}``. DeepSpeed writes it
 only from DP rank 0, so the per-rank parts of the train state (loader position, RNG states) are gathered to

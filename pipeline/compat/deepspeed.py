@@ -9,6 +9,10 @@ other release the copy is not used: remove_host_syncs leaves DeepSpeed's own ste
 syncs) and says so in one warning line. After an upgrade: re-mirror, run tests/integration/test_host_sync.py,
 then move the pin and DEEPSPEED_MIRRORED.
 
+Private behaviour relied on (not copied): save_checkpoint writes every file through
+``engine.checkpoint_engine.save``, which stage_checkpoint_writes wraps so the files can be written in the
+background; on another release saves stay synchronous (one warning line).
+
 A resume at another TP or DP size goes through DeepSpeed's public universal checkpoint (pipeline.reshard),
 not through copied code."""
 

@@ -220,6 +220,15 @@ def test_synchronous_and_background_saves_hold_the_same_state(finished, tmp_path
         for name in ("mp_rank_00_model_states.pt", _optim_file(a).name):
             x, y = (torch.load(d / name, map_location="cpu", weights_only=False) for d in (a, b))
             _assert_same_tensors(x, y, f"{tag}/{name}")
+    # DeepSpeed's own reader of the ZeRO files rebuilds exactly the weights ours reads from a background save
+    from pipeline import compat
+
+    compat.import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(src)), tag=STEP6)
+    weights, _ = checkpoint.read_weights(checkpoint_dir(src) / STEP6)
+    assert fp32 and all(torch.equal(v, weights[k]) for k, v in fp32.items())
 
 
 def _assert_same_tensors(x, y, where: str) -> None:

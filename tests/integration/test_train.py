@@ -208,7 +208,7 @@ def watched_run(tiny_data, tmp_path_factory):
 
     seen = {"hashed": [], "sync": [], "validate": [], "log": [], "checkpoint": []}
     real = {"hash": data.sha256_file, "read_back": train.UnreadSteps.read_back}
-    real |= {"evaluate": train.evaluate, "log_step": train.log_step, "save": checkpoint.save}
+    real |= {"evaluate": train.evaluate, "log_step": train.log_step, "save": train.Saver.save}
 
     def read_back(self, recent):
         seen["sync"].append(self.steps[-1][0])
@@ -218,9 +218,9 @@ def watched_run(tiny_data, tmp_path_factory):
         seen["log"].append(state.step)
         return real["log_step"](cfg, tracker, state, *args, **kwargs)
 
-    def save(engine, cfg, state):
+    def save(saver, state, final=False):
         seen["checkpoint"].append(state.step)
-        return real["save"](engine, cfg, state)
+        return real["save"](saver, state, final)
 
     ov = overrides(tiny_data, tmp_path_factory.mktemp("watched"), "train.train_tokens=7168", "train.log_every=2")
     cfg = config.load(PRESET, [*ov, "train.val_every=3", "checkpoint.every_steps=4"])
@@ -229,7 +229,7 @@ def watched_run(tiny_data, tmp_path_factory):
         m.setattr(train.UnreadSteps, "read_back", read_back)
         m.setattr(train, "evaluate", lambda *a: seen["validate"].append(seen["sync"][-1]) or real["evaluate"](*a))
         m.setattr(train, "log_step", log_step)
-        m.setattr(checkpoint, "save", save)
+        m.setattr(train.Saver, "save", save)
         summary = train.train(cfg)
     assert summary["exit_code"] == 0 and summary["steps"] == 7
     return cfg, seen

@@ -243,3 +243,43 @@ def test_gpu_refuses_an_unknown_name_naming_the_way_out(capsys):
     assert main(["plan", str(P757), "--gpu", "B300"]) == 2
     err = capsys.readouterr().err
     assert "matches no GPU" in err and "--peak-tflops" in err and "NVIDIA B200" in err
+
+
+def test_checkpoint_plan_757m_by_hand():
+    """The issue's 757M figures: bf16 weights 1.5 GB + fp32 masters 3.0 + AdamW moments 6.1 = 10.6 GB; DP rank 0
+    holds the weights and 1/8 of the rest; Young-Daly is sqrt(2 C M) with M the node MTBF over the nodes."""
+    import math
+
+    from pipeline.checkpoint_plan import HOST_COPY_GBPS, MTBF_NODE_HOURS, checkpoint_plan
+
+    cfg = config.load(P757)
+    n = model_size.parameter_count(cfg)
+    one = checkpoint_plan(cfg, nodes=1, tp=1, dp=8, fs_gbps=2.0)
+    assert (one.bytes_weights, one.bytes_optimizer) == (2 * n, 12 * n) and round(one.bytes_total / 1e9, 1) == 10.6
+    assert one.bytes_largest_rank == 2 * n + 12 * n / 8
+    assert one.blocked_async_s == pytest.approx(one.bytes_largest_rank / (HOST_COPY_GBPS * 1e9))
+    assert round(MTBF_NODE_HOURS) == 6335  # 2,048 nodes x 54 days x 24 h / 419 interruptions
+    eight = checkpoint_plan(cfg, nodes=8, tp=1, dp=64, fs_gbps=2.0)
+    assert eight.job_mtbf_hours == pytest.approx(MTBF_NODE_HOURS / 8)
+    c, m = eight.blocked_async_s, MTBF_NODE_HOURS / 8 * 3600
+    assert eight.young_daly_async_minutes == pytest.approx(math.sqrt(2 * c * m) / 60)
+    assert eight.recommended_minutes >= eight.background_s / 60
+    slow = checkpoint_plan(cfg, nodes=8, tp=1, dp=64, fs_gbps=0.001)  # the background write outlasts tau
+    assert slow.recommended_minutes == pytest.approx(slow.background_s / 60)
+
+
+def test_prism_plan_prints_the_checkpoint_lines_and_refuses_a_bad_bandwidth(capsys):
+    from pipeline.cli import main
+
+    assert main(["plan", str(P757), "--gpus-per-node", "8", "--gpu", "h100 sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "10.6 GB per save" in out and "Young-Daly" in out and "--mtbf-node-hours 6,335 / 1 node(s)" in out
+    assert "recommended checkpoint.every_minutes=41" in out and "this config: every 41 min" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", str(P757), "--fs-gbps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fs-gbps" in bad.stderr
