@@ -1,8 +1,8 @@
 """What checkpoints cost a layout, and how often to take them: the checkpoint lines of `prism plan`.
 
-Size (DeepSpeed ZeRO-1/2, what pipeline.checkpoint writes): the weights at the training precision once per
-TP rank (written by DP rank 0), plus fp32 master weights and the two AdamW moments (12 bytes per parameter)
-split over all TP x DP ranks. At 757M bf16 that is 1.5 + 3.0 + 6.1 = 10.6 GB per save.
+Size: pipeline.budget.checkpoint_bytes (at 757M bf16 1.5 + 3.0 + 6.1 = 10.6 GB per save). The weights are
+written once per TP rank (by DP rank 0), the fp32 masters and AdamW moments split over all TP x DP ranks, so
+DP rank 0 holds the most.
 
 Time: a non-blocking save (checkpoint.async_save) blocks the step while the largest rank's share is copied
 to host memory (HOST_COPY_GBPS); a synchronous one blocks for the whole write at the file system's
@@ -52,11 +52,10 @@ class CheckpointPlan:
 def checkpoint_plan(
     cfg: Config, nodes: int, tp: int, dp: int, fs_gbps: float = FS_GBPS, mtbf_node_hours: float = MTBF_NODE_HOURS
 ) -> CheckpointPlan:
-    from pipeline.model_size import parameter_count
+    from pipeline.budget import checkpoint_bytes  # the one owner of what a checkpoint holds
 
-    params = parameter_count(cfg)
-    weights = params * (2 if cfg.train.precision == "bf16" else 4)
-    optimizer = params * 12
+    size = checkpoint_bytes(cfg)
+    weights, optimizer = size["weights"], size["masters"] + size["moments"]
     largest = weights / tp + optimizer / (tp * dp)
     total = weights + optimizer
     write = total / (fs_gbps * GB)

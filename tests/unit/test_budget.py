@@ -255,7 +255,10 @@ def test_checkpoint_plan_757m_by_hand():
     cfg = config.load(P757)
     n = model_size.parameter_count(cfg)
     one = checkpoint_plan(cfg, nodes=1, tp=1, dp=8, fs_gbps=2.0)
-    assert (one.bytes_weights, one.bytes_optimizer) == (2 * n, 12 * n) and round(one.bytes_total / 1e9, 1) == 10.6
+    assert (one.bytes_weights, one.bytes_optimizer) == (2 * n, 12 * n) == (
+        budget.checkpoint_bytes(cfg)["weights"],
+        12 * n,
+    ) and round(one.bytes_total / 1e9, 1) == 10.6
     assert one.bytes_largest_rank == 2 * n + 12 * n / 8
     assert one.blocked_async_s == pytest.approx(one.bytes_largest_rank / (HOST_COPY_GBPS * 1e9))
     assert round(MTBF_NODE_HOURS) == 6335  # 2,048 nodes x 54 days x 24 h / 419 interruptions
