@@ -157,14 +157,14 @@ def test_prism_plan_cli_prints_the_plan_without_heavy_imports():
     assert "memory/GPU" in out.stdout and "wall time    9 h" in out.stdout
     lines = out.stdout.strip().splitlines()
     assert lines[-1] == "[]"  # arithmetic only: no heavy import, so it answers in well under a second
-    bad = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "plan", str(P757), "--gpus-per-node", "6"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    bad = plan_in_a_subprocess("--gpus-per-node", "6")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "49152" in bad.stderr
+
+
+def plan_in_a_subprocess(*args: str) -> subprocess.CompletedProcess:
+    """`prism plan` on the 757M preset as a user runs it (exit code and stderr)."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "plan", str(P757), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def test_allow_repeat_and_verify_on_start_may_change_on_resume():
@@ -278,11 +278,5 @@ def test_prism_plan_prints_the_checkpoint_lines_and_refuses_a_bad_bandwidth(caps
     out = capsys.readouterr().out
     assert "10.6 GB per save" in out and "Young-Daly" in out and "--mtbf-node-hours 6,335 / 1 node(s)" in out
     assert "recommended checkpoint.every_minutes=41" in out and "this config: every 41 min" in out
-    bad = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "plan", str(P757), "--fs-gbps", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    bad = plan_in_a_subprocess("--fs-gbps", "0")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fs-gbps" in bad.stderr
