@@ -109,15 +109,18 @@ def main() -> None:
                 f"background {r['background_s']:.2f} s, {r['bytes_per_save'] / 1e9:.2f} GB per save"
             )
     ratio = results["non_blocking"]["blocked_s"] / results["synchronous"]["blocked_s"]
-    verdict = "meets" if ratio <= TARGET else "MISSES"
-    say(f"{PROG}: blocked-time ratio non-blocking / synchronous = {ratio:.3f} ({verdict} the target <= {TARGET})")
+    if args.quick:  # a save of a few MB is mostly fixed costs (DeepSpeed's state dicts, barriers, the gather)
+        verdict = f"not judged at the quick size; the target <= {TARGET} applies at the 124M shape"
+    else:
+        verdict = f"{'meets' if ratio <= TARGET else 'MISSES'} the target <= {TARGET}"
+    say(f"{PROG}: blocked-time ratio non-blocking / synchronous = {ratio:.3f} ({verdict})")
     report(
         PROG,
         {
             "preset": preset,
             "ratio_blocked_non_blocking_over_sync": ratio,
             "target": TARGET,
-            "meets_target": ratio <= TARGET,
+            "meets_target": None if args.quick else ratio <= TARGET,
             "sync_blocked_s": results["synchronous"]["blocked_s"],
             "non_blocking_blocked_s": results["non_blocking"]["blocked_s"],
             "non_blocking_first_blocked_s": results["non_blocking"]["first_blocked_s"],
