@@ -1,0 +1,171 @@
+"""The docs against the code, in-process: the configuration reference is what `make docs` renders from the schema
+and covers every key a config has; every link between README.md and docs/ resolves; every shell block is tagged
+by the convention (docs/README.md) and every command of a block the suite does not run parses. The blocks it
+runs are tests/integration/test_docs.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import docs
+from tests.docs_blocks import SHELL_KINDS, check_command, commands, doc_blocks
+
+ROOT = docs.ROOT
+CONFIG_MD = ROOT / "docs" / "config.md"
+# Fence info strings a doc may use: the shell kinds, output, and code the suite does not run.
+OTHER_KINDS = ("text", "python", "yaml", "")
+FIX = "run `make docs` and commit docs/config.md"
+
+
+def region(text: str, name: str) -> str:
+    found = [m.group("body") for m in docs.REGION.finditer(text) if m.group("name") == name]
+    assert len(found) == 1, f"one region {name!r} expected, found {len(found)}"
+    return found[0]
+
+
+def test_config_reference_is_what_make_docs_renders():
+    assert region(CONFIG_MD.read_text(), "config-keys") == docs.config_keys(), (
+        f"docs/config.md is out of date with the schema in pipeline/config/: {FIX}"
+    )
+
+
+def test_config_reference_lists_every_key_a_config_has():
+    """Independent of the generator: the keys a loaded preset dumps, and every key the rule tables name."""
+    from pipeline import config
+    from pipeline.config.resume_keys import EXECUTION_ONLY_KEYS, MODEL_OR_DATA_KEYS, RECIPE_KEYS, flatten
+    from pipeline.config.rules import NAME_KEYS, NON_EMPTY_KEYS, RANGES
+
+    documented = set(re.findall(r"^\| `([\w.]+)` \|", region(CONFIG_MD.read_text(), "config-keys"), re.M))
+    dumped = set(flatten(config.load(ROOT / "configs" / "tiny_prism.yaml").to_dict()))
+    assert documented == dumped, (
+        f"not in docs/config.md: {sorted(dumped - documented)}; no such key: {sorted(documented - dumped)}; {FIX}"
+    )
+    named = {k.removesuffix("[]") for k in RANGES} | {*NON_EMPTY_KEYS, *NAME_KEYS, *RECIPE_KEYS}
+    assert named <= documented, f"rule tables name keys the reference lacks: {sorted(named - documented)}"
+    for prefix in (*MODEL_OR_DATA_KEYS, *EXECUTION_ONLY_KEYS):
+        assert any(k == prefix or k.startswith(prefix + ".") for k in documented), prefix
+
+
+def test_resume_column_says_what_the_resume_policy_does():
+    text = region(CONFIG_MD.read_text(), "config-keys")
+    resume = dict(re.findall(r"^\| `([\w.]+)` \|(?:[^|]*\|){3}([^|]*)\|", text, re.M))
+    assert resume["model.d_model"].strip() == "never"
+    assert resume["train.lr"].strip() == "with `checkpoint.allow_changes`"
+    assert resume["data.tasks"].strip() == "yes"  # execution only, although under data
+    assert resume["train.log_every"].strip() == "yes"
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to '-', repeats numbered."""
+    out: set[str] = set()
+    fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = sum(1 for a in out if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    text = re.sub(r"^\s*```.*?^\s*```", "", path.read_text(), flags=re.S | re.M)  # not inside code blocks
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
+
+
+def test_links_between_readme_and_docs_resolve():
+    broken = []
+    for path in docs.doc_paths():
+        for target in links(path):
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading in {dest.name})")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_anchor_rules_match_github():
+    assert anchors(
+        "## Writing these docs: the rules the tests enforce\n## prism export, prism generate\n## A\n## A"
+    ) == {
+        "writing-these-docs-the-rules-the-tests-enforce",
+        "prism-export-prism-generate",
+        "a",
+        "a-1",
+    }
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move reference material into docs/"
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[:2] == ["## Two commands", "## A real run on a Slurm cluster"], headings
+
+
+def test_every_block_is_tagged_by_the_convention():
+    wrong = [
+        f"{b.where()}: ```{b.info}"
+        for b in doc_blocks()
+        if b.info not in SHELL_KINDS and b.info not in OTHER_KINDS or b.info == "" and commands(b.body)[:1]
+    ]
+    assert not wrong, f"use ```sh, ```sh cluster or ```sh long for commands (docs/README.md): {wrong}"
+
+
+SHELL_COMMANDS = [
+    pytest.param(command, id=f"{b.where()}:{i}")
+    for b in doc_blocks()
+    if b.info in SHELL_KINDS
+    for i, command in enumerate(commands(b.body))
+]
+
+
+@pytest.mark.parametrize("command", SHELL_COMMANDS)
+def test_documented_command_parses(command):
+    assert check_command(command) is None, f"{command}\n-> {check_command(command)}"
+
+
+def test_python_blocks_compile():
+    for b in doc_blocks():
+        if b.info == "python":
+            compile(b.body, b.where(), "exec")
+
+
+@pytest.mark.parametrize(
+    "command, why",
+    [
+        ("prism plan configs/prism_757m.yaml --node 2", "unrecognized arguments: --node"),  # abbreviation
+        ("prism export $RUN_DIR --output x", "unrecognized arguments: --output"),
+        ("prism prepare configs/prism_757m.yaml data.slurm.partiton=cpu", "data.slurm.partiton: unknown key"),
+        ('PRISM_OVERRIDES="train.lrr=1" sbatch launchers/prism_757m.sbatch', "train.lrr: unknown key"),
+        ("sbatch launchers/prism_2b.sbatch", "does not exist"),
+        ("make dmeo", "'dmeo' is not in the Makefile"),
+        ("python benchmarks/bench_arms.py --scales 124m", "no flag --scales"),
+        ("prism study configs/tiny_prism.yaml configs/nope.yaml --seeds 2", "configs/nope.yaml does not exist"),
+        ("frobnicate --all", "unknown command"),
+    ],
+)
+def test_a_broken_command_is_caught(command, why):
+    assert why in (check_command(command) or "")
+
+
+def test_blocks_and_their_output(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "```sh\nprism plan a.yaml \\\n  --nodes 2   # two\n\n# note\nls\n```\n\n```text\nplan: x\n```\n\n"
+        "```sh cluster\nsbatch x\n```\nprose\n```text\nnot its output\n```\n"
+        "  ```sh\n  indented\n  ```\n"
+    )
+    first, second, third = [b for b in doc_blocks([doc]) if b.info in SHELL_KINDS]
+    assert (first.info, commands(first.body), first.output) == (
+        "sh",
+        ["prism plan a.yaml --nodes 2", "ls"],
+        "plan: x\n",
+    )
+    assert (second.info, second.output) == ("sh cluster", None)
+    assert (third.body, third.line) == ("indented\n", 20)
