@@ -82,8 +82,11 @@ def schema_keys() -> list[tuple[str, dataclasses.Field, type, str]]:
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
-            else:
-                out.append((f"{prefix}{f.name}", f, tp, notes.get(f.name, "")))
+                continue
+            out.append((f"{prefix}{f.name}", f, tp, notes.get(f.name, "")))
+            value = typing.get_args(tp)[-1:] if typing.get_origin(tp) is dict else ()
+            if value and dataclasses.is_dataclass(value[0]):  # name -> section: its keys under <name>
+                walk(value[0], f"{prefix}{f.name}.<name>.")
 
     # The sections a preset holds (what Config.to_dict dumps), not its source or derived values.
     hints = typing.get_type_hints(Config)
@@ -94,6 +97,9 @@ def schema_keys() -> list[tuple[str, dataclasses.Field, type, str]]:
 
 
 def type_text(tp: type) -> str:
+    value = typing.get_args(tp)[-1:] if typing.get_origin(tp) is dict else ()
+    if value and dataclasses.is_dataclass(value[0]):
+        return "name: section (keys below)"
     text = str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
     return re.sub(r"Literal\[[^\]]*\]", lambda m: "one of " + m.group(0)[8:-1].replace("'", ""), text)
 
