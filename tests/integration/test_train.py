@@ -75,8 +75,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run(ov: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    out = subprocess.run(command(ov, nproc), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+def run(ov: list[str], nproc: int = 1, faults: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        command(ov, nproc), cwd=ROOT, env={**env(), **(faults or {})}, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, f"prism train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
@@ -337,8 +339,17 @@ def reference_loop(cfg: config.Config, dp_size: int, steps: int) -> tuple[list[f
 
 
 def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tmp_path):
-    ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2")
-    run(ov, nproc=2)
+    """Also the checkpoint clock over two ranks: checkpoint.every_minutes so small that every sync step is due
+    (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it."""
+    ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2", "checkpoint.every_minutes=1e-6")
+    log = run(ov, nproc=2, faults={"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4"}).stdout
+    staged = [
+        int(line.split("step-")[1][:7]) for line in log.splitlines() if line.endswith("writing in the background")
+    ]
+    assert staged == list(range(1, STEPS + 1)), log  # log_every=1: every step is a sync step
+    assert "checkpoint of step 5 waited" in log and "for step-0000004's background write" in log, log
+    ckpt = checkpoint_dir(tmp_path)
+    assert (ckpt / "latest").read_text() == "step-0000006" and checkpoint.verify(ckpt / "step-0000006") is None
     m = metrics(tmp_path)
     want_loss, want_norm = reference_loop(config.load(PRESET, ov), dp_size=2, steps=3)
     # step 1: same weights, same global batch; only the reduction order differs (a wrong DP averaging or
