@@ -237,8 +237,9 @@ def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
     return F.linear(_final_hidden_states(model, inputs), output_weight(model))
 
 
-def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+def lm_loss(model, tokens: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
+    ``z_loss`` > 0 (train.z_loss) adds that coefficient times the mean squared log-sum-exp (PaLM's z-loss).
 
     The output projection and the loss run a chunk of tokens at a time (pipeline.model.loss): neither the
     [b, s, V] logits nor an fp32 copy of them is ever made."""
@@ -247,7 +248,8 @@ def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
     device = next(model.parameters()).device
     targets = tokens[:, 1:].to(device, non_blocking=True)
-    return linear_cross_entropy(_final_hidden_states(model, tokens[:, :-1]), output_weight(model), targets)
+    hidden = _final_hidden_states(model, tokens[:, :-1])
+    return linear_cross_entropy(hidden, output_weight(model), targets, z_loss)
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:

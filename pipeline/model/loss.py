@@ -13,6 +13,10 @@ of the weight gradient.
 Under TP each rank holds a vocab slice of the weight: each chunk's log-sum-exp and target logit are
 combined over the TP group (three all-reduces of [chunk] vectors), and the sum over the slices of the
 hidden-state gradient is the backward of the TP copy applied before it (pipeline.model.gpt).
+
+z-loss (train.z_loss = c > 0, PaLM's auxiliary term): c * mean(lse^2) is added to the loss, with lse the
+log-sum-exp over the whole vocab; its gradient c * 2 * lse * softmax / tokens joins the chunk's softmax term.
+With c = 0 none of it runs.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy (fp32 scalar) of hidden [N, d] @ weight[V_local, d].T against int64 targets [N]."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grads: bool):
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grads: bool, z_loss: float = 0.0
+    ):
         group, tp, rank = _tp_group()
         n, vocab = hidden.shape[0], weight.shape[0]
         local = targets - rank * vocab  # this rank's vocab slice: [rank * vocab, (rank + 1) * vocab)
@@ -82,8 +88,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden[a:b], weight).float()
             lse, target = _chunk_lse_and_target(logits, local[a:b], in_slice[a:b], group, tp)
             total += (lse - target).sum()
+            if z_loss:
+                total += z_loss * lse.square().sum()
             if with_grads:
                 grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the chunk's logits
+                if z_loss:
+                    grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])  # d(c lse^2)/d logit = 2 c lse softmax
                 grad.scatter_add_(1, local[a:b, None], -in_slice[a:b, None].float())  # - onehot
                 grad = grad.div_(n).to(hidden.dtype)  # d mean / d logit, in the dtype megatron's backward has
                 grad_hidden[a:b] = grad @ weight
@@ -96,12 +106,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None
+        grads = grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype)
+        return *grads, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of hidden states [..., d] projected by this TP rank's output
-    weight [V/TP, d], against targets [...]; vocab-parallel under TP."""
+    weight [V/TP, d], against targets [...]; vocab-parallel under TP. ``z_loss`` > 0 adds z_loss * mean(lse^2)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), with_grads)
+    return LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), with_grads, z_loss)

@@ -46,6 +46,35 @@ def test_chunked_loss_and_grads_equal_megatron(monkeypatch, dtype):
         torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), **GRAD_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_z_loss_equals_plain_pytorch_palm_definition(monkeypatch, dtype):
+    """train.z_loss = c: cross-entropy + c * mean over tokens of log-sum-exp(logits)^2 (PaLM), in the chunked
+    loss, value and both gradients against plain PyTorch on the whole logits."""
+    monkeypatch.setitem(loss_mod.CHUNK_ELEMENTS, "cpu", 7 * 300)  # several chunks, a ragged last one
+    c = 1e-2  # large enough that the z term moves the loss and gradients far beyond the tolerance
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 20, 32, generator=gen).to(dtype)  # lse ~ log(300): the z term is not small
+    weight = (0.5 * torch.randn(300, 32, generator=gen)).to(dtype)
+    targets = torch.randint(0, 300, (3, 20), generator=gen)
+    ours_h, ours_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ours = loss_mod.linear_cross_entropy(ours_h, ours_w, targets, z_loss=c)
+    logits = F.linear(ref_h, ref_w).float().reshape(-1, 300)
+    ref = F.cross_entropy(logits, targets.reshape(-1)) + c * torch.logsumexp(logits, dim=-1).square().mean()
+    plain_ce = loss_mod.linear_cross_entropy(hidden, weight, targets)
+    assert abs(float(ours - plain_ce)) > 1e-2  # the term is really there
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0)
+    (2.5 * ours).backward()
+    (2.5 * ref).backward()
+    for mine, theirs in [(ours_h, ref_h), (ours_w, ref_w)]:
+        assert mine.grad.dtype == dtype
+        # bf16: the (1 + 2 c lse) factor moves a few values across a rounding boundary; one bf16 step (2^-8) of
+        # the largest gradient still tells a missing or doubled z term (~10 % of every gradient) apart
+        ulp = 2**-8 * float(theirs.grad.abs().max()) if dtype == torch.bfloat16 else 0.0
+        tolerance = GRAD_TOLERANCE[dtype] | ({"atol": ulp} if ulp else {})
+        torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), **tolerance)
+
+
 def test_lm_loss_of_the_model_equals_megatron_loss(monkeypatch):
     from pipeline.model import build_model, lm_loss
     from pipeline.model.gpt import _forward_local_logits
