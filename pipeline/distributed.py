@@ -205,16 +205,21 @@ class StopSignal:
 
 
 # --- where the ranks run, and how training ended (read by launchers/train_job.sh) ------------------------
-def topology() -> list[dict[str, Any]]:
-    """Every rank's node (Slurm's node name, else the hostname), local rank and CPUs, gathered in rank order."""
+def node_name() -> str:
+    """This process's node: Slurm's node name (several can share a host), else the hostname."""
     import socket
 
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def topology() -> list[dict[str, Any]]:
+    """Every rank's node (node_name), local rank and CPUs, gathered in rank order."""
     import torch.distributed as dist
 
     mine = {
         "rank": dist.get_rank(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "node": node_name(),
         "cpus": node_cpus(),
         "slurm_cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK", ""),
     }

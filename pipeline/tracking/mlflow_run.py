@@ -147,7 +147,7 @@ class MlflowTracker:
         # Re-logged on resume too: the artifact then shows the config the run finished with.
         self.log_artifact_text(cfg.dump(), "config.yaml")
         self.log_artifact_text(schedule_table(cfg), "schedule.md")
-        self._start_system_metrics(resume=run_id is not None)
+        self._start_system_metrics()
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -158,8 +158,8 @@ class MlflowTracker:
             self._new_milestones(metrics["val/loss"], step)
         self.journal.append({"op": "metrics", "time": _now_ms(), "step": int(step), "metrics": metrics})
         self._deliver()
-        if self.online and self.run_id is not None:
-            self._keep_system_metrics()
+        if self.online and self.run_id is not None and self.monitor is None:
+            self._start_system_metrics()  # the run was created only now (the server was down at start)
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Params beyond the config (the data budget of this start); a resume that logs another value keeps the
@@ -253,23 +253,14 @@ class MlflowTracker:
             if self.run_id is None:  # the run was created only now
                 self.run_id = self.journal.state()["run_id"]
 
-    def _keep_system_metrics(self) -> None:
-        """MLflow's monitor thread quits on its first failed request (busy or down server): restart it."""
-        thread = getattr(self.monitor, "_process", None)
-        if self.monitor is None or thread is None or not thread.is_alive():
-            self._start_system_metrics(resume=True)
-
-    def _start_system_metrics(self, resume: bool) -> None:
+    def _start_system_metrics(self) -> None:
+        """This node's system metrics (pipeline.tracking.system: restarted there when MLflow's thread quits)."""
         if not self.cfg.tracking.system_metrics or self.run_id is None:
             return
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        from pipeline.distributed import node_name
+        from pipeline.tracking.system import NodeMetrics
 
-            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.uri)
-            self.monitor.start()
-        except Exception as e:  # noqa: BLE001 - system metrics are a nicety; never stop training for them
-            log.warning("tracking: system metrics off (%s)", redact_text(str(e)))
-            self.monitor = None
+        self.monitor = NodeMetrics(self.run_id, self.uri, node_name()).start()
 
     def _new_milestones(self, val_loss: float, step: int) -> None:
         """Milestones are tags (one value each, shown in the run's overview), not metrics: as metrics they
