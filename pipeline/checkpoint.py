@@ -381,6 +381,7 @@ class TrainState:
     tokens_seen: int = 0
     run_id: str | None = None  # the tracking run, so a resumed run logs into the same one
     loader: Any = None
+    skipper: Any = None  # pipeline.skipping.StepSkipper: its window and counters, the same on every rank
 
     PER_RANK = ("loader", "rng")
 
@@ -391,12 +392,15 @@ class TrainState:
             "run_id": self.run_id,
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "rng": _rng_state(),
+            "skips": self.skipper.state_dict() if self.skipper is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen, self.run_id = state["step"], state["tokens_seen"], state.get("run_id")
         if self.loader is not None:
             self.loader.load_state_dict(state["loader"])
+        if self.skipper is not None and state.get("skips"):  # saved before steps were skipped: a fresh window
+            self.skipper.load_state_dict(state["skips"])
         _set_rng_state(state["rng"])
 
 
@@ -461,6 +465,7 @@ def begin_save(cfg: Config, state: TrainState) -> tuple[str, dict[str, Any], dic
             "config_hash": cfg.hash(),
             "spec": cfg.model.spec,
             "dp_size": dp_size,
+            "skips": own["skips"],
         },
     }
     meta = {"step": own["step"], "tp": cfg.parallel.tp, "dp_size": dp_size, "world_size": dist.get_world_size()}
@@ -654,6 +659,7 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
     if saved_tp != tp:
         source = {**source, "rng": {k: v for k, v in source["rng"].items() if k != "megatron"}}
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
+    shared["skips"] = client["prism"].get("skips")
     state.load_state_dict({**shared, **source})
     return saved_dp
 

@@ -1,9 +1,10 @@
 """The metric names Prism logs, and the names runs logged before the prefix scheme used.
 
 One prefix per kind, so MLflow's chart view files each kind in its own section:
-    train/  what the optimisation does: loss, lr, grad_norm, tokens_seen
+    train/  what the optimisation does: loss, lr, grad_norm, tokens_seen, skipped_steps (pipeline.skipping)
     val/    held-out loss: val/loss on the run's own val split, val/<name>/loss on each of data.val_sets
-    perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb
+    perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb; rank_time_max,
+            rank_time_median, slowest_rank (pipeline.stragglers)
     eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
 The data budget of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
 (Tracker.log_params), not here; runs logged before kept it as metrics, which nothing reads.

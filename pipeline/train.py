@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import budget, checkpoint, data, model_size
+from pipeline import budget, checkpoint, data, faults, model_size
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.checkpoint_writer import Saver
@@ -67,28 +67,18 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def adamw_implementation(device: str) -> dict[str, bool]:
-    """torch AdamW's kernels: fused on CUDA (one kernel per step, step counts on the device, no host reads);
-    the plain per-tensor loop on CPU, which earlier CPU runs and references were made with."""
-    return {"fused": True} if device == "cuda" else {"foreach": False}
-
-
 def make_optimizer(cfg: Config, model: Any) -> Any:
-    import torch
-
-    from pipeline.distributed import train_device
+    from pipeline import compat
 
     t = cfg.train
     # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam (~80 s) and differs per device.
     # Under ZeRO-1/2 DeepSpeed swaps each group's params for one flat fp32 partition and steps THIS optimizer
     # on it (stage_1_and_2.py: optimizer.param_groups[i]["params"] = [flat fp32 partition]), so a fused
-    # AdamW runs one kernel over each flat group.
-    return torch.optim.AdamW(
-        param_groups(model, t.weight_decay),
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        **adamw_implementation(train_device(cfg)),
+    # AdamW runs one kernel over each flat group. Fused on CPU too: it is the kernel that can skip a step on
+    # the device (pipeline.skipping), and ~10x faster than the per-tensor loop there (32 -> 3.4 ms per step
+    # over 5M fp32 values on 2 cores; the two differ by an ulp).
+    return compat.SkipStepAdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
     )
 
 
@@ -120,8 +110,9 @@ def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int, load_universal:
 
 
 def build_engine(
-    cfg: Config, model: Any, grad_accum: int, dp_size: int, load_universal: bool = False
+    cfg: Config, model: Any, grad_accum: int, dp_size: int, load_universal: bool = False, skipper: Any = None
 ) -> tuple[Any, Any]:
+    """skipper: a pipeline.skipping.StepSkipper that decides, inside each optimizer step, whether it is skipped."""
     from pipeline import compat
 
     deepspeed = compat.import_deepspeed()
@@ -134,6 +125,8 @@ def build_engine(
         config=deepspeed_config(cfg, grad_accum, dp_size, load_universal),
     )
     compat.remove_host_syncs(engine.optimizer)  # DeepSpeed's step reads the grad norm on the host otherwise
+    if skipper is not None:  # asked when DeepSpeed has the step's grad norm and calls the torch optimizer
+        optimizer.skip_flag = lambda: skipper.decide(compat.pre_step_grad_norm(engine.optimizer))
     logging.getLogger(__name__).info("optimizer: %s", optimizer_stepped(engine, optimizer))
     return engine, optimizer
 
@@ -202,6 +195,10 @@ class StepResult:
     micro_losses: list[Any]
     batches: list[np.ndarray]
     position_before: dict[str, Any]
+    # pipeline.skipping: whether this step's update was skipped, the skips in a row ending here, all so far
+    skipped: Any = 0.0
+    skips_in_a_row: Any = 0
+    skipped_total: Any = 0
 
     @property
     def finite(self) -> bool:
@@ -209,17 +206,35 @@ class StepResult:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
     def read_back(self) -> StepResult:
-        """Loss and grad norm to host floats: the step's one host sync, done on sync steps only."""
-        if not isinstance(self.loss, float) or not isinstance(self.grad_norm, float):
+        """The step's numbers to host floats: its one host sync, done on sync steps only."""
+        names = ("loss", "grad_norm", "skipped", "skips_in_a_row", "skipped_total")
+        if not all(isinstance(getattr(self, n), float | int) for n in names):
             import torch
 
-            values = [torch.as_tensor(v, dtype=torch.float32) for v in (self.loss, self.grad_norm)]
-            self.loss, self.grad_norm = torch.stack([v.to(values[0].device) for v in values]).tolist()
+            values = [torch.as_tensor(getattr(self, n), dtype=torch.float32) for n in names]
+            host = torch.stack([v.to(values[0].device) for v in values]).tolist()
+            self.loss, self.grad_norm = host[:2]
+            self.skipped, self.skips_in_a_row, self.skipped_total = (int(v) for v in host[2:])
         return self
 
 
-def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: int, device: str) -> StepResult:
-    """One optimizer step: ``grad_accum`` micro-batches forward and backward, DeepSpeed's clipped update."""
+def train_step(
+    engine: Any,
+    optimizer: Any,
+    loader: Any,
+    lr: float,
+    grad_accum: int,
+    device: str,
+    skipper: Any = None,
+    z_loss: float = 0.0,
+    loss_fault: float | None = None,
+    clock: Any = None,
+) -> StepResult:
+    """One optimizer step: ``grad_accum`` micro-batches forward and backward, DeepSpeed's clipped update, which
+    ``skipper`` (pipeline.skipping) may skip on the device. ``loss_fault``: a test's factor on the loss
+    (pipeline.faults); ``clock``: a pipeline.stragglers.RankClock timing this rank's data fetch and forward."""
+    import contextlib
+
     import torch
     from megatron.core import parallel_state
 
@@ -230,19 +245,33 @@ def train_step(engine: Any, optimizer: Any, loader: Any, lr: float, grad_accum: 
         group["lr"] = lr
     position_before = loader.state_dict()
     batches, micro_losses = [], []
-    for _ in range(grad_accum):
-        batch = loader.next_batch()
+    untimed = contextlib.nullcontext()
+    for i in range(grad_accum):
+        with clock.data() if clock else untimed:
+            batch = loader.next_batch()
         batches.append(batch)
         # pinned by the loader on CUDA: the copy overlaps the previous micro-batch's kernels
-        loss = lm_loss(engine, torch.from_numpy(batch).to(device, non_blocking=True))
+        with clock.forward() if clock else untimed:
+            loss = lm_loss(engine, torch.from_numpy(batch).to(device, non_blocking=True), z_loss)
+        if loss_fault is not None:
+            loss = loss * loss_fault
         engine.backward(loss)
-        engine.step()  # DeepSpeed applies the update at the accumulation boundary only
         micro_losses.append(loss.detach())
-    # Device tensors, no host sync here: StepResult.read_back() turns them into floats on sync steps.
-    mean_loss = dp_sum(torch.stack(micro_losses).float().mean()) / parallel_state.get_data_parallel_world_size()
+        if i == grad_accum - 1:
+            # Device tensors, no host sync here: StepResult.read_back() turns them into floats on sync steps.
+            mean_loss = dp_sum(torch.stack(micro_losses).float().mean()) / parallel_state.get_data_parallel_world_size()
+            if skipper is not None:
+                skipper.arm(mean_loss)  # before the boundary step below runs the optimizer
+        engine.step()  # DeepSpeed applies the update at the accumulation boundary only
+    if clock:
+        clock.step_done()
     grad_norm = engine.get_global_grad_norm()
     grad_norm = torch.zeros((), device=device) if grad_norm is None else grad_norm
-    return StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
+    result = StepResult(mean_loss, grad_norm, lr, time.perf_counter() - t0, micro_losses, batches, position_before)
+    if skipper is not None:
+        result.skipped = skipper.finish(engine.get_global_grad_norm())
+        result.skips_in_a_row, result.skipped_total = skipper.in_a_row.clone(), skipper.total.clone()
+    return result
 
 
 @dataclass(frozen=True)
@@ -274,11 +303,14 @@ def step_actions(
 
 
 class UnreadSteps:
-    """Steps trained since the last sync step, their losses still on the device."""
+    """Steps trained since the last sync step, their losses still on the device. ``max_skips_in_a_row``:
+    train.max_skips_in_a_row, where a run of skipped steps ends the run."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_skips_in_a_row: int = 1) -> None:
         self.steps: list[tuple[int, StepResult]] = []
         self.since = time.perf_counter()
+        self.max_skips_in_a_row = max_skips_in_a_row
+        self.skipped: list[tuple[int, StepResult]] = []  # the skipped steps of the last read-back
 
     def add(self, step: int, result: StepResult) -> None:
         self.steps.append((step, result))
@@ -288,16 +320,20 @@ class UnreadSteps:
         self.since = time.perf_counter()
 
     def read_back(self, recent: deque[float]) -> tuple[int, StepResult] | None:
-        """Floats for every unread step (the first one that is not finite is returned); each step's time
-        becomes the mean wall time since the last sync, the only honest figure once kernels run async."""
-        steps, self.steps = self.steps, []
+        """Floats for every unread step; returned: the first step that ends the run, a non-finite one that was
+        not skipped or the last of max_skips_in_a_row skips in a row. Each step's time becomes the mean wall time
+        since the last sync, the only honest figure once kernels run async."""
+        steps, self.steps, self.skipped = self.steps, [], []
         now = time.perf_counter()
         for step, result in steps:
             result.read_back()
             result.seconds = (now - self.since) / len(steps)
-            if not result.finite:
+            if result.skipped:
+                self.skipped.append((step, result))
+            if (not result.finite and not result.skipped) or result.skips_in_a_row >= self.max_skips_in_a_row:
                 return step, result
-            recent.append(result.loss)
+            if result.finite:
+                recent.append(result.loss)
         self.since = now
         return None
 
@@ -322,10 +358,14 @@ def log_step(
     val_loss: float | None,
     device: str,
     pace: Pace | None = None,
+    stragglers: dict[str, float] | None = None,
 ) -> None:
     """Metrics to the tracker and, on rank 0, one console line; its tok/s and ETA are ``pace``'s (the
-    training rate over the steps since the last line, console.Progress)."""
+    training rate over the steps since the last line, console.Progress); ``stragglers``: the slowest rank's
+    numbers (pipeline.stragglers), named on the line when it is notably slower."""
     import torch.distributed as dist
+
+    from pipeline.stragglers import straggler_note
 
     tok_s = cfg.train.batch_tokens / result.seconds
     from pipeline.hardware import device_peak_flops
@@ -340,10 +380,12 @@ def log_step(
         "perf/tokens_per_sec": tok_s,
         "perf/step_time": result.seconds,
         "perf/memory_gb": memory_gb(device),
+        "train/skipped_steps": result.skipped_total,
     }
     if val_loss is not None:
         metrics["val/loss"] = val_loss
     metrics.update(utilisation)
+    metrics.update(stragglers or {})
     tracker.log_metrics(metrics, state.step)
     if dist.get_rank() == 0:
         timing = ""
@@ -356,19 +398,24 @@ def log_step(
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
             + timing
             + (f" | mfu {100 * utilisation['perf/mfu']:.1f}%" if utilisation else "")
-            + f" | mem {metrics['perf/memory_gb']:.2f} GB",
+            + f" | mem {metrics['perf/memory_gb']:.2f} GB"
+            + (f" | skipped {result.skipped_total}" if result.skipped_total else "")
+            + straggler_note(metrics),
             flush=True,
         )
 
 
 def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[float]) -> None:
-    """Diagnostic for a NaN/inf step: numbers as JSON, this rank's batches of the step as .npz; one error line."""
+    """Diagnostic for the step that ends a run of skipped steps (or a NaN/inf step nothing skipped): numbers as
+    JSON, this rank's batches of the step as .npz; one error line."""
     import torch.distributed as dist
 
     info = {
         "step": step,
         "train_loss": result.loss,
         "grad_norm": result.grad_norm,
+        "skips_in_a_row": result.skips_in_a_row,
+        "skipped_steps": result.skipped_total,
         "lr": result.lr,
         "micro_losses": [float(x) for x in result.micro_losses],
         "recent_losses": list(recent),
@@ -380,8 +427,16 @@ def report_nonfinite(cfg: Config, step: int, result: StepResult, recent: deque[f
     np.savez_compressed(path.with_suffix(".npz"), *result.batches)
     write_atomic(path, json.dumps(info, indent=1, default=str))
     if dist.get_rank() == 0:
+        what = f"loss {result.loss} / grad norm {result.grad_norm} at step {step}"
+        if result.skips_in_a_row:
+            what = (
+                f"{result.skips_in_a_row} steps in a row skipped (train.max_skips_in_a_row), non-finite or spiking "
+                + what
+            )
+        else:
+            what = f"non-finite {what}"
         print(
-            f"prism train: error: non-finite loss {result.loss} / grad norm {result.grad_norm} at step {step}; "
+            f"prism train: error: {what}; "
             f"diagnostics in {path}; last good checkpoint {info['last_good_checkpoint']} is kept "
             f"(lower train.lr with checkpoint.allow_changes=[train.lr], or check the data, then resume)",
             file=sys.stderr,
@@ -432,6 +487,9 @@ class Run:
     warmup: int
     grad_accum: int
     saver: Any = None  # pipeline.checkpoint_writer.Saver
+    skipper: Any = None  # pipeline.skipping.StepSkipper
+    clock: Any = None  # pipeline.stragglers.RankClock
+    node_metrics: Any = None  # pipeline.tracking.system.NodeMetrics on the first rank of nodes but rank 0's
     train_loss: float = float("nan")  # of the last sync step
     val_loss: float | None = None  # of the last validation
 
@@ -467,7 +525,10 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
 
     from pipeline.distributed import topology, topology_line
     from pipeline.model import build_model
+    from pipeline.skipping import StepSkipper
+    from pipeline.stragglers import RankClock
     from pipeline.tracking import make_tracker
+    from pipeline.tracking.system import other_node_metrics
 
     manifest = data.checked_manifest(cfg)  # the one compatibility check of this start
     device = train_device(cfg)
@@ -495,8 +556,9 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     reshard = resume.tag is not None and checkpoint.reshards(
         resume.saved_tp, resume.saved_dp_size, cfg.parallel.tp, dp_size
     )
-    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size, load_universal=reshard)
-    state = TrainState(loader=loader)
+    skipper = StepSkipper(cfg.train.skip_window, cfg.train.skip_sigma, device)
+    engine, optimizer = build_engine(cfg, model, grad_accum, dp_size, load_universal=reshard, skipper=skipper)
+    state = TrainState(loader=loader, skipper=skipper)
     if resume.tag:
         saved_dp = checkpoint.load(engine, cfg, resume.tag, state)
         if saved_dp != dp_size:
@@ -518,8 +580,12 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     )
     run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
     run.saver = Saver(engine, cfg, device)
+    run.skipper, run.clock = skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
     ranks = topology()  # a collective: every rank
     say(f"prism train: {topology_line(ranks)}")
+    run_id = [state.run_id]  # rank 0's: the other nodes log their system metrics into the same run
+    dist.broadcast_object_list(run_id, src=0)
+    run.node_metrics = other_node_metrics(cfg, run_id[0], ranks, dist.get_rank())
     for line in resume_notes(resume):  # e.g. a damaged newest checkpoint and the one resumed from instead
         say(line)
     what = f"resumed from {resume.tag}" if resume.tag else "fresh start"
@@ -535,10 +601,12 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
 
 def loop(run: Run) -> int:
     """Optimizer steps until the token budget is done, a stop signal or a non-finite loss; the exit code."""
+    from pipeline.stragglers import gather_rank_times, straggler_metrics
+
     cfg, state, t = run.cfg, run.state, run.cfg.train
     recent: deque[float] = deque(maxlen=20)  # the last losses, for a NaN step's diagnostic
     stop_check = stop_agreement(run.stopper, run.device)
-    unread = UnreadSteps()
+    unread = UnreadSteps(t.max_skips_in_a_row)
     planned = {step: step_actions(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
     progress = Progress(
         run.total_steps,
@@ -550,7 +618,19 @@ def loop(run: Run) -> int:
     )
     while state.step < run.total_steps:
         lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
-        result = train_step(run.engine, run.optimizer, run.loader, lr, run.grad_accum, run.device)
+        fault = faults.loss_factor(state.step + 1)  # None unless a test sets PRISM_FAULT_LOSS
+        result = train_step(
+            run.engine,
+            run.optimizer,
+            run.loader,
+            lr,
+            run.grad_accum,
+            run.device,
+            run.skipper,
+            t.z_loss,
+            fault,
+            run.clock,
+        )
         state.step += 1
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
@@ -561,7 +641,15 @@ def loop(run: Run) -> int:
         run.saver.poll()  # a save in flight commits once every rank's background write is done
         if cfg.checkpoint.every_minutes and not actions.checkpoint and run.saver.minutes_due():
             actions = step_actions(cfg, state.step, run.total_steps, stop, minutes_due=True)
-        if (bad := unread.read_back(recent)) is not None:  # the one host sync since the last sync step
+        bad = unread.read_back(recent)  # the one host sync since the last sync step
+        for step, skipped in unread.skipped:
+            say(
+                f"prism train: step {step} skipped (loss {skipped.loss:.4f}, grad norm {skipped.grad_norm:.3f}: "
+                f"non-finite or above mean + {t.skip_sigma} std of the last {t.skip_window} steps); weights and "
+                "optimizer state unchanged"
+            )
+        if bad is not None:
+            run.saver.close()  # the diagnostics name the last good checkpoint: commit the one in flight first
             report_nonfinite(cfg, *bad, recent)
             return EXIT_NONFINITE
         run.train_loss = result.loss
@@ -571,7 +659,9 @@ def loop(run: Run) -> int:
             with progress.aside("validation"):
                 val_loss = run.val_loss = evaluate(run.engine, run.val_rows, t.micro_batch_size, run.device)
         if actions.log:
-            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, progress.pace(state.step))
+            stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
+            pace = progress.pace(state.step)
+            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, pace, stragglers)
         if actions.checkpoint:
             with progress.aside("checkpoint"):  # the time the step is blocked: staging, or the whole write
                 run.saver.save(state, final=stop or state.step == run.total_steps)
@@ -598,6 +688,8 @@ def finish(run: Run, exit_code: int) -> dict[str, Any]:
         write_exit_record(reason, run.state.step)
     run.stopper.restore()
     run.loader.close()
+    if run.node_metrics is not None:
+        run.node_metrics.finish()
     run.tracker.finish(
         {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED", EXIT_INFRA: "FAILED"}[exit_code]
     )

@@ -3,7 +3,8 @@
 - pipeline.compat.megatron: megatron-core's CUDA-only spots on a CPU torch, its RNG tracker states, the
   0.16 / 0.19 API differences, GPTModel's forward ending at the hidden states;
 - pipeline.compat.deepspeed: the adapters deepspeed.initialize needs, and the private DeepSpeed code Prism
-  copies (the sync-free optimizer step, checkpoint files staged for a background write) behind an exact version check.
+  copies (the sync-free optimizer step, checkpoint files staged for a background write) behind an exact version check;
+- pipeline.compat.optim: the fused torch AdamW's found_inf, which skips a step on the device.
 
 Callers write ``from pipeline import compat; compat.X``: the names below are that interface.
 """
@@ -13,6 +14,7 @@ from pipeline.compat.deepspeed import (
     MegatronMpu,
     StagingCheckpointEngine,
     import_deepspeed,
+    pre_step_grad_norm,
     remove_host_syncs,
     stage_checkpoint_writes,
     sync_free_bf16_step,
@@ -30,12 +32,14 @@ from pipeline.compat.megatron import (
     set_model_parallel_rng_states,
     use_cpu_device,
 )
+from pipeline.compat.optim import SkipStepAdamW
 
 __all__ = [
     "DEEPSPEED_MIRRORED",
     "SELF_ATTENTION_NEW_KWARGS",
     "MegatronMpu",
     "StagingCheckpointEngine",
+    "SkipStepAdamW",
     "apply_cpu_shims",
     "cuda_available",
     "import_deepspeed",
@@ -43,6 +47,7 @@ __all__ = [
     "model_parallel_rng_states",
     "output_layer_returns_hidden_states",
     "output_weight",
+    "pre_step_grad_norm",
     "remove_host_syncs",
     "self_attention_extra_kwargs",
     "set_model_parallel_rng_states",

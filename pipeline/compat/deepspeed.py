@@ -87,6 +87,14 @@ class MegatronMpu:
         return torch.distributed.get_process_group_ranks(self.get_data_parallel_group())
 
 
+def pre_step_grad_norm(wrapper: Any) -> Any:
+    """The global grad norm (before clipping) of the step DeepSpeed's optimizer wrapper is taking, when it calls
+    the torch optimizer's ``step``: BF16_Optimizer, ZeRO-1/2 and ZeRO-3 set their private ``_global_grad_norm``
+    (a device tensor; a Python inf after their own overflow skip) before that call. None where the wrapper
+    keeps none (ZeRO-0, where the engine steps the torch optimizer itself)."""
+    return getattr(wrapper, "_global_grad_norm", None)
+
+
 def import_deepspeed():
     """Import DeepSpeed with our defaults: CPU accelerator without CUDA, a persistent JIT cache, and no
     shared-memory comm-op build on CPU (a ~40 s g++ JIT on first use; gloo does the collectives anyway)."""

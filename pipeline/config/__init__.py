@@ -103,6 +103,10 @@ class TrainConfig:
     peak_flops: float | None = None  # per device; None: look the device up in a table
     compile: bool = False  # torch.compile the model (pipeline.model.fusions); off: it does not pay on CPU
     init_from: str | None = None  # a `prism export` folder: a fresh run starts from its weights (pipeline.export)
+    z_loss: float = 0.0  # PaLM's z-loss: this coefficient times the mean squared log-sum-exp (PaLM: 1e-4); 0: off
+    skip_window: int = 128  # steps a spike is measured against (pipeline.skipping: the step is skipped on the device)
+    skip_sigma: float | None = 6.0  # a spike: above mean + this many std of the window; null: NaN/inf only
+    max_skips_in_a_row: int = 8  # then the run stops with exit 4 and the non-finite diagnostics
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ RECIPE_KEYS = (
     "train.precision",
     "parallel.zero_stage",
     "parallel.replicate_indivisible_layers",
+    "train.z_loss",
+    "train.skip_window",
+    "train.skip_sigma",
 )
 
 

@@ -81,6 +81,10 @@ RANGES: dict[str, Range] = {
     "train.val_tokens": AT_LEAST_1,
     "train.prefetch": AT_LEAST_1,
     "train.peak_flops": POSITIVE,  # FLOP/s per device, when set
+    "train.z_loss": NON_NEGATIVE,
+    "train.skip_window": Range(2),  # a standard deviation needs two values
+    "train.skip_sigma": POSITIVE,  # when set
+    "train.max_skips_in_a_row": AT_LEAST_1,
     "data.limit": Range(1, also=(-1,)),
     "data.val_fraction": FRACTION,
     "data.sequences_per_sample": AT_LEAST_1,

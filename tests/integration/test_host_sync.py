@@ -62,8 +62,8 @@ def count_host_syncs():
             setattr(owner, name, fn)
 
 
-def build_tiny_engine(overrides: list[str], model_state: dict | None = None):
-    """The trainer's engine on the tiny model (bf16, fused AdamW as on CUDA), optionally from given weights."""
+def build_tiny_engine(overrides: list[str], model_state: dict | None = None, skipper=None):
+    """The trainer's engine on the tiny model (bf16 unless overridden), optionally from given weights."""
     from pipeline.model import build_model
     from pipeline.train import build_engine
 
@@ -75,7 +75,7 @@ def build_tiny_engine(overrides: list[str], model_state: dict | None = None):
     model = build_model(cfg)
     if model_state is not None:
         model.load_state_dict(model_state)
-    engine, optimizer = build_engine(cfg, model, grad_accum=2, dp_size=1)
+    engine, optimizer = build_engine(cfg, model, grad_accum=2, dp_size=1, skipper=skipper)
     return cfg, engine, optimizer
 
 
@@ -90,29 +90,22 @@ def all_weights(engine, optimizer) -> list[torch.Tensor]:
 WRAPPERS = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer"}
 
 
-@pytest.fixture
-def fused_adamw(monkeypatch):
-    from pipeline import train
-
-    # as on a GPU: the fused AdamW make_optimizer picks on CUDA (torch has it on CPU too)
-    monkeypatch.setattr(train, "adamw_implementation", lambda device: {"fused": True})
-
-
-@pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
     from pipeline import train
+    from pipeline.skipping import StepSkipper
     from pipeline.train import deepspeed_config, train_step
 
-    cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"])
+    skipper = StepSkipper(4, 6.0, "cpu")  # as the trainer steps: every step asks whether to skip
+    cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"], skipper=skipper)
     assert deepspeed_config(cfg, 2, 1)["timers"] == {"throughput": {"enabled": False}}
     # DeepSpeed replaced each param group by one flat fp32 partition, so the fused AdamW steps 2 tensors in all
     stepped = train.optimizer_stepped(engine, optimizer)
     assert stepped == f"{WRAPPERS[zero_stage]} -> torch AdamW (fused) over [1, 1] tensors per param group"
     loader = FakeLoader(4, 32, cfg.model.vocab_size)
-    train_step(engine, optimizer, loader, 1e-3, 2, "cpu").read_back()  # first step: lazy allocations
+    train_step(engine, optimizer, loader, 1e-3, 2, "cpu", skipper).read_back()  # first step: lazy allocations
     with count_host_syncs() as counts:
-        results = [train_step(engine, optimizer, loader, 1e-3, 2, "cpu") for _ in range(3)]
+        results = [train_step(engine, optimizer, loader, 1e-3, 2, "cpu", skipper) for _ in range(3)]
     assert loader.served == 8 and engine.global_steps == 4  # really stepped
     # DeepSpeed 0.19.8's own step reads the grad norm on the host (`if is_invalid_grad_norm(norm)`, `if clip_coef
     # < 1`): compat.remove_host_syncs replaces those reads, so nothing syncs, ours or DeepSpeed's
@@ -121,9 +114,9 @@ def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
         values = [r.read_back() for r in results]
     assert counts["tolist"] == 3  # the read-back is the one sync per step, and the counter sees it
     assert all(np.isfinite(r.loss) and r.grad_norm > 0 for r in values)
+    assert [r.skipped for r in values] == [0, 0, 0]
 
 
-@pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("zero_stage", [1, 2])
 @pytest.mark.parametrize("grad_clip", [1e-3, 1e6])  # clipping engaged (norm >> 1e-3) and not (norm << 1e6)
 def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, caplog, zero_stage, grad_clip):
@@ -158,20 +151,16 @@ def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, caplog, zero_st
     assert not mismatched, f"weights {mismatched} differ from DeepSpeed's own step's"
 
 
-@pytest.mark.usefixtures("fused_adamw")
 @pytest.mark.parametrize("zero_stage", [1, 2])
-def test_nonfinite_step_reads_back_inf_and_keeps_weights_finite(monkeypatch, zero_stage):
-    import pipeline.model
+def test_nonfinite_step_reads_back_inf_and_keeps_weights_finite(zero_stage):
     from pipeline.train import UnreadSteps, train_step
 
     cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"])
     loader = FakeLoader(4, 32, cfg.model.vocab_size)
     unread = UnreadSteps()
     unread.add(1, train_step(engine, optimizer, loader, 1e-3, 2, "cpu"))
-    real_loss = pipeline.model.lm_loss
-    with monkeypatch.context() as m, count_host_syncs() as counts:
-        m.setattr(pipeline.model, "lm_loss", lambda eng, tokens: real_loss(eng, tokens) * float("nan"))
-        unread.add(2, train_step(engine, optimizer, loader, 1e-3, 2, "cpu"))  # NaN gradients everywhere
+    with count_host_syncs() as counts:  # no skipper: DeepSpeed's clipping alone must keep the weights finite
+        unread.add(2, train_step(engine, optimizer, loader, 1e-3, 2, "cpu", None, 0.0, float("nan")))
     assert not counts.sites, f"host syncs on a non-finite step: {dict(counts.sites)}"
     unread.add(3, train_step(engine, optimizer, loader, 1e-3, 2, "cpu"))
     # the trainer's read-back finds the NaN step (and stops with exit 4), its grad norm inf
@@ -195,8 +184,51 @@ def test_sync_free_steps_refuse_a_deepspeed_without_what_they_mirror():
     assert "step" not in vars(changed)
 
 
-def test_adamw_kernels_by_device():
-    from pipeline.train import adamw_implementation
+def optimizer_state(engine, optimizer) -> list[torch.Tensor]:
+    """Every weight copy (bf16 module, fp32 partitions) and the AdamW moments and step counts."""
+    return all_weights(engine, optimizer) + [
+        v.detach().clone() for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    ]
 
-    assert adamw_implementation("cuda") == {"fused": True}
-    assert adamw_implementation("cpu") == {"foreach": False}  # bit-identical to earlier CPU runs
+
+@pytest.mark.parametrize(
+    "precision, zero_stage",
+    # DeepSpeed's BF16_Optimizer (ZeRO-1 bf16), its ZeRO optimizer in bf16, and in fp32 (where DeepSpeed skips
+    # a NaN norm itself, on the host)
+    [("bf16", 1), ("bf16", 2), ("fp32", 1)],
+)
+def test_a_nan_or_spiking_step_is_skipped_with_weights_and_optimizer_state_unchanged(
+    monkeypatch, precision, zero_stage
+):
+    from pipeline.skipping import StepSkipper
+    from pipeline.train import UnreadSteps, train_step
+
+    skipper = StepSkipper(4, 6.0, "cpu")  # the spike test is on from 2 steps
+    overrides = [f"parallel.zero_stage={zero_stage}", f"train.precision={precision}"]
+    cfg, engine, optimizer = build_tiny_engine(overrides, skipper=skipper)
+    loader = FakeLoader(4, 32, cfg.model.vocab_size)
+    unread = UnreadSteps(max_skips_in_a_row=3)
+
+    def step(n, fault=None):
+        unread.add(n, train_step(engine, optimizer, loader, 1e-3, 2, "cpu", skipper, 0.0, fault))
+
+    for n in (1, 2, 3):
+        step(n)
+    before = optimizer_state(engine, optimizer)
+    with count_host_syncs() as counts:
+        step(4, float("nan"))  # NaN loss and gradients
+        step(5, 1e3)  # a spike: loss and grad norm x 1000
+    assert not counts.sites or precision == "fp32", f"host syncs on skipped steps: {dict(counts.sites)}"
+    after = optimizer_state(engine, optimizer)
+    assert len(after) == len(before) > 4  # weights, moments and step counts are all there
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if not torch.equal(a, b)]
+    assert not changed, f"a skipped step changed tensors {changed}"
+    step(6)
+    assert unread.read_back(deque()) is None  # two skips in a row: below 3, the run goes on
+    assert [s for s, _ in unread.skipped] == [4, 5]
+    assert unread.skipped[-1][1].skipped_total == 2 and int(skipper.total) == 2 and int(skipper.in_a_row) == 0
+    assert not torch.equal(optimizer_state(engine, optimizer)[0], after[0])  # step 6 trained
+    for n in (7, 8, 9):
+        step(n, float("nan"))
+    stop, result = unread.read_back(deque())  # the third NaN in a row ends the run
+    assert stop == 9 and result.skips_in_a_row == 3 and result.skipped_total == 5

@@ -359,15 +359,30 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     assert losses(m, "train/grad_norm")[:3] == pytest.approx(want_norm, rel=2e-3)
 
 
-def test_nonfinite_loss_stops_with_exit_4_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
-    # lr 1e4 explodes the weights after the first update: step 2's loss is NaN
-    ov = overrides(tiny_data, tmp_path, "train.lr=1e4", "train.min_lr=0", "checkpoint.every_steps=1")
-    out = subprocess.run(command(ov, 1), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+def test_nan_steps_are_skipped_counted_and_stop_the_run_after_m_in_a_row(tiny_data, tmp_path):
+    # NaN losses at steps 2, 4 and 5 (PRISM_FAULT_LOSS): step 2 is skipped and training goes on; 4 and 5 are
+    # train.max_skips_in_a_row=2 skips in a row: exit 4 at step 5, before its checkpoint
+    extra = ("train.max_skips_in_a_row=2", "checkpoint.every_steps=1", "checkpoint.keep_last=10")
+    ov = overrides(tiny_data, tmp_path, *extra)
+    faulty = {**env(), "PRISM_FAULT_LOSS": "2:nan,4:nan,5:nan"}
+    out = subprocess.run(command(ov, 1), cwd=ROOT, env=faulty, capture_output=True, text=True, timeout=300)
     assert out.returncode == 4, out.stderr[-3000:]
+    assert "prism train: step 2 skipped (loss nan" in out.stdout and "| skipped 1" in out.stdout
+    m = metrics(tmp_path)
+    assert [m[s]["train/skipped_steps"] for s in range(1, 5)] == [0, 1, 1, 2]
     ckpt = checkpoint_dir(tmp_path)
-    assert (ckpt / "latest").read_text() == "step-0000001"
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-0000001"]  # nothing written after the NaN
-    dump = json.loads((ckpt / "nonfinite-step-0000002-rank0.json").read_text())
-    assert dump["step"] == 2 and dump["last_good_checkpoint"] == "step-0000001"
-    assert not math.isfinite(dump["train_loss"]) or not math.isfinite(dump["grad_norm"])
-    assert "prism train: error: non-finite loss" in out.stderr and (ckpt / "nonfinite-step-0000002-rank0.npz").exists()
+    assert (ckpt / "latest").read_text() == "step-0000004"  # nothing written at the step that stopped the run
+    weights = {s: checkpoint.read_weights(ckpt / f"step-{s:07d}")[0] for s in (1, 2, 3)}
+    assert all(torch_equal(weights[1][k], weights[2][k]) for k in weights[1])  # the skipped step changed nothing
+    assert not all(torch_equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 3 trained
+    dump = json.loads((ckpt / "nonfinite-step-0000005-rank0.json").read_text())
+    assert dump["step"] == 5 and dump["skips_in_a_row"] == 2 and dump["last_good_checkpoint"] == "step-0000004"
+    assert not math.isfinite(dump["train_loss"])
+    assert "prism train: error: 2 steps in a row skipped (train.max_skips_in_a_row)" in out.stderr
+    assert (ckpt / "nonfinite-step-0000005-rank0.npz").exists()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return not torch.is_tensor(a) or torch.equal(a, b)
