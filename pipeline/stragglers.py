@@ -33,16 +33,15 @@ class RankClock:
 
     @contextlib.contextmanager
     def data(self) -> Iterator[None]:
-        start = time.perf_counter()
-        if self.delay:
-            time.sleep(self.delay)
-        yield
-        self.host_seconds += time.perf_counter() - start
+        with self._host():
+            if self.delay:
+                time.sleep(self.delay)
+            yield
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         if not self.cuda:
-            with self.data():  # on a CPU the forward's time is host time
+            with self._host():  # on a CPU the forward's time is host time
                 yield
             return
         import torch
@@ -52,6 +51,12 @@ class RankClock:
         yield
         end.record()
         self.events.append((begin, end))
+
+    @contextlib.contextmanager
+    def _host(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.host_seconds += time.perf_counter() - start
 
     def step_done(self) -> None:
         self.steps += 1
