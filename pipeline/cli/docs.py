@@ -169,6 +169,92 @@ def config_keys() -> str:
     return "\n".join(out)
 
 
+# --- the import graph --------------------------------------------------------------------------------------
+
+GRAPH_ROOTS = ("pipeline", "launchers", "data_prep")
+
+
+def unit_of(module: str, units: set[str]) -> str | None:
+    """The unit a dotted module belongs to: pipeline's top-level module or package, or launchers / data_prep."""
+    parts = module.split(".")
+    if parts[0] != "pipeline":
+        return parts[0] if parts[0] in units else None
+    name = ".".join(parts[:2])
+    return name if name in units else None
+
+
+def import_graph() -> str:
+    """Which of our units each unit imports (module-level and function-level imports alike), and the circles."""
+    import ast
+
+    files = {p: p.relative_to(ROOT).with_suffix("") for root in GRAPH_ROOTS for p in (ROOT / root).rglob("*.py")}
+    units = {".".join(rel.parts[:2]) if rel.parts[0] == "pipeline" else rel.parts[0] for rel in files.values()}
+    units = {u.removesuffix(".__init__").removesuffix(".__main__") for u in units} - {"pipeline"}
+    edges: dict[str, set[str]] = {u: set() for u in units}
+    for path, rel in files.items():
+        here = unit_of(".".join(rel.parts), units)
+        if here is None:  # pipeline/__init__.py
+            continue
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            targets = {unit_of(n, units) for n in names} - {None, here}
+            edges[here].update(targets)
+    rows = ["| unit | imports (ours) |", "|---|---|"]
+    rows += [f"| `{u}` | {', '.join(f'`{t}`' for t in sorted(edges[u])) or '(none)'} |" for u in sorted(edges)]
+    circles = [sorted(c) for c in cycles(edges)]
+    verdict = "No circles between units." if not circles else "Circles: " + "; ".join(" ↔ ".join(c) for c in circles)
+    return "\n".join(rows) + f"\n\n{verdict}\n"
+
+
+def runtime_nodes(tree):
+    """Every node of a module except what `if TYPE_CHECKING:` guards (annotations only, never imported)."""
+    import ast
+
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            guard = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            todo.extend(child.orelse if guard else [child])
+
+
+def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected groups of more than one unit (Tarjan's algorithm, iterative enough for ~40 nodes)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(u: str) -> None:
+        index[u] = low[u] = len(index)
+        stack.append(u)
+        for v in sorted(edges.get(u, ())):
+            if v not in index:
+                visit(v)
+                low[u] = min(low[u], low[v])
+            elif v in stack:
+                low[u] = min(low[u], index[v])
+        if low[u] == index[u]:
+            group = set()
+            while True:
+                v = stack.pop()
+                group.add(v)
+                if v == u:
+                    break
+            if len(group) > 1:
+                found.append(group)
+
+    for u in sorted(edges):
+        if u not in index:
+            visit(u)
+    return found
+
+
 # --- commands and their output ----------------------------------------------------------------------------
 
 
@@ -214,12 +300,15 @@ def demo_excerpt() -> str:
 
 REGIONS: dict[str, Callable[[], str]] = {
     "config-keys": config_keys,
+    "import-graph": import_graph,
     "plan-757m": lambda: transcript("prism plan configs/prism_757m.yaml --nodes 2 --gpus-per-node 8 --gpu H200"),
     "schedule-show-124m": lambda: transcript("prism schedule show configs/prism_124m.yaml"),
     "search-dry-run": lambda: transcript("prism search launchers/searches/example.yaml --dry-run --peak-tflops 989"),
     "demo-excerpt": demo_excerpt,
 }
 SLOW_REGIONS = ("demo-excerpt",)
+# Rendered from the source alone (no command): tests/unit/test_docs.py checks they are current.
+SOURCE_REGIONS = ("config-keys", "import-graph")
 
 
 def render(text: str, names: set[str], cache: dict[str, str]) -> str:

@@ -32,6 +32,26 @@ def test_config_reference_is_what_make_docs_renders():
     )
 
 
+@pytest.mark.parametrize("name", [n for n in docs.SOURCE_REGIONS if n != "config-keys"])
+def test_regions_rendered_from_the_source_are_current(name):
+    """The regions `make docs` renders from the code alone (the command transcripts are rerun by
+    tests/integration/test_docs.py instead)."""
+    holders = [p for p in docs.doc_paths() if f"make docs: {name} -->" in p.read_text()]
+    assert holders, f"no doc holds the region {name!r}"
+    for path in holders:
+        assert region(path.read_text(), name) == docs.REGIONS[name](), (
+            f"{path.relative_to(ROOT)}: region {name!r} is out of date with the code: run `make docs` and commit it"
+        )
+
+
+def test_import_graph_sees_function_level_imports_and_circles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert docs.cycles(edges) == [{"a", "b", "c"}]
+    assert docs.cycles({"a": {"b"}, "b": set()}) == []
+    graph = docs.import_graph()
+    assert "| `pipeline.cli` |" in graph and "`pipeline.train`" in graph.split("| `pipeline.cli` |")[1].split("\n")[0]
+
+
 def test_config_reference_lists_every_key_a_config_has():
     """Independent of the generator: the keys a loaded preset dumps, and every key the rule tables name."""
     from pipeline import config
