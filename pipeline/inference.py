@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import checkpoint
+from pipeline import checkpoint, model_size
 from pipeline import config as config_lib
 from pipeline.config import Config, ConfigError
 from pipeline.distributed import resolve_device
@@ -32,24 +32,24 @@ def load_config(tag_dir: Path, overrides: list[str] | None = None) -> Config:
 
 
 def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
-    """(cfg, model in eval mode, checkpoint.CheckpointInfo). TP=1 checkpoints only."""
+    """(cfg, model in eval mode, checkpoint.CheckpointInfo). A tensor-parallel checkpoint's parts are joined
+    (pipeline.export.hf.read_weights) into one TP=1 model; ``cfg`` stays the run's (its parallel.tp as trained)."""
     from pipeline.distributed import init_model_parallel
-    from pipeline.model import build_model
+    from pipeline.export.hf import read_weights
+    from pipeline.model import build_model, tp_layout
     from pipeline.tracking.journal import journal_run_id
 
     tag_dir = checkpoint.resolve_tag_dir(path)
     # Place the model where this machine can run it; build_model reads train.device (and train.precision,
     # so a bf16 run is evaluated in bf16 — on GPU the path the paper's numbers come from).
     cfg = load_config(tag_dir, [*(overrides or []), f"train.device={resolve_device(device)}"])
-    if cfg.parallel.tp != 1:
-        raise ConfigError(
-            f"{tag_dir}: trained with parallel.tp={cfg.parallel.tp}; inference loads TP=1 checkpoints only; "
-            "retrain or convert with parallel.tp=1"
-        )
-    weights, info = checkpoint.read_weights(tag_dir)
+    weights, info = read_weights(tag_dir, cfg)
+    one_rank = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
+    vocab = model_size.padded_vocab(one_rank)  # the TP size's vocab padding beyond it: rows never scored
+    weights = {k: v[:vocab] if k in tp_layout.VOCAB_PARALLEL else v for k, v in weights.items()}
 
     init_model_parallel(tp=1, seed=cfg.run.seed, device=cfg.train.device)
-    model = build_model(cfg)
+    model = build_model(one_rank)
     model.load_state_dict(weights, strict=True)
     model.eval()
     # A run that started while MLflow was down gets its id in the journal only after the checkpoint.

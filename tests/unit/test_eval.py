@@ -81,10 +81,19 @@ def test_loglikelihood_equals_direct_forward_pass_with_batching_and_truncation(r
     got = batched._loglikelihood_tokens(requests)
     single = PrismLM(random_model, neox_tokenizer, eos_id=0, seq_len=SEQ_LEN, batch_size=1)
     got_single = single._loglikelihood_tokens(requests)
-    for (context, continuation), (ll, greedy), (ll1, _) in zip(pairs, got, got_single):
+    # by tokens (the evals during training): as many rows as fit in 2 full windows, one row at least
+    by_tokens = PrismLM(random_model, neox_tokenizer, eos_id=0, seq_len=SEQ_LEN, batch_tokens=2 * SEQ_LEN)
+    widths = [len(by_tokens.window(c, t)[0]) for c, t in pairs]
+    order = sorted(range(len(pairs)), key=lambda i: -widths[i])
+    cuts = by_tokens.batches(order, widths)
+    assert sum(cuts, []) == order and len(cuts) < len(pairs)
+    assert all(len(c) == 1 or len(c) * widths[c[0]] <= 2 * SEQ_LEN for c in cuts)
+    got_by_tokens = by_tokens._loglikelihood_tokens(requests)
+    for (context, continuation), (ll, greedy), (ll1, _), (ll2, _) in zip(pairs, got, got_single, got_by_tokens):
         want, want_greedy = direct_loglikelihood(random_model, context, continuation)
         assert ll == pytest.approx(want, abs=1e-4)
         assert ll1 == pytest.approx(want, abs=1e-4)
+        assert ll2 == pytest.approx(want, abs=1e-4)
         assert greedy == want_greedy
     assert len({round(ll, 3) for ll, _ in got}) == len(pairs)  # distinct requests really differ
 
