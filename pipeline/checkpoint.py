@@ -24,10 +24,12 @@ are not about that layout (the TP re-split, the key sets) live in pipeline.resha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,6 +434,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     if "megatron" in state:
         compat.set_model_parallel_rng_states(state["megatron"])
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Every RNG state a checkpoint holds, as it was before the block: work done between steps (lm-eval
+    seeds the global generators) leaves the training trajectory as it would be without it."""
+    state = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(state)
 
 
 # --- save / load (every rank calls these) -------------------------------------------------------------

@@ -129,6 +129,7 @@ class Progress:
     spent aside (``with progress.aside("validation")``, ``"checkpoint"``), so a validation step does not
     look slow; the ETA adds the validations and checkpoints still to come at their measured mean cost
     (a validation not yet measured: a forward pass over its tokens, a third of a training step per token).
+    Downstream evals (``"eval"``) are timed and counted like validations.
     ``clock`` is injectable so the rule can be tested with a fake one."""
 
     def __init__(
@@ -139,18 +140,25 @@ class Progress:
         validation_steps: Sequence[int],
         checkpoint_steps: Sequence[int],
         validation_tokens: int,
+        eval_steps: Sequence[int] = (),
+        eval_tokens: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.total_steps, self.tokens_per_step, self.validation_tokens = total_steps, tokens_per_step, validation_tokens
-        self.upcoming = {"validation": sorted(validation_steps), "checkpoint": sorted(checkpoint_steps)}
-        self.spent = {"validation": [0.0, 0], "checkpoint": [0.0, 0]}  # seconds, count
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.forward_tokens = {"validation": validation_tokens, "eval": eval_tokens}
+        self.upcoming = {
+            "validation": sorted(validation_steps),
+            "eval": sorted(eval_steps),
+            "checkpoint": sorted(checkpoint_steps),
+        }
+        self.spent = {"validation": [0.0, 0], "eval": [0.0, 0], "checkpoint": [0.0, 0]}  # seconds, count
         self.clock = clock
         self.started = self.last_line = clock()
         self.last_step, self.aside_since_line = step, 0.0
 
     @contextlib.contextmanager
     def aside(self, kind: str) -> Iterator[None]:
-        """Time the block as ``kind`` (validation or checkpoint), not as training."""
+        """Time the block as ``kind`` (validation, eval or checkpoint), not as training."""
         t0 = self.clock()
         try:
             yield
@@ -161,19 +169,20 @@ class Progress:
             self.spent[kind][1] += 1
 
     def pace(self, step: int) -> Pace | None:
-        """The rate and ETA for the line at ``step`` (after its validation, before its checkpoint); None when
-        no step was trained since the last line."""
+        """The rate and ETA for the line at ``step`` (after its validation, before its eval and checkpoint);
+        None when no step was trained since the last line."""
         now = self.clock()
         steps, seconds = step - self.last_step, now - self.last_line - self.aside_since_line
         self.last_line, self.last_step, self.aside_since_line = now, step, 0.0
         if steps <= 0 or seconds <= 0:
             return None
         per_step = seconds / steps
-        validation = self._mean("validation", per_step * self.validation_tokens / self.tokens_per_step / 3)
+        forward = {k: self._mean(k, per_step * n / self.tokens_per_step / 3) for k, n in self.forward_tokens.items()}
         eta = (
             (self.total_steps - step) * per_step
-            + validation * sum(s > step for s in self.upcoming["validation"])  # this step's is done
-            + self._mean("checkpoint", 0.0) * sum(s >= step for s in self.upcoming["checkpoint"])  # its is not
+            + forward["validation"] * sum(s > step for s in self.upcoming["validation"])  # this step's is done
+            + forward["eval"] * sum(s >= step for s in self.upcoming["eval"])  # its is not
+            + self._mean("checkpoint", 0.0) * sum(s >= step for s in self.upcoming["checkpoint"])
         )
         return Pace(steps * self.tokens_per_step / seconds, now - self.started, eta)
 

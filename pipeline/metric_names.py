@@ -39,3 +39,8 @@ def metric_history(client: Any, run_id: str, name: str) -> list[Any]:
     if not history and name in OLD_NAMES:
         history = client.get_metric_history(run_id, OLD_NAMES[name])
     return history
+
+
+def eval_metric(task: str, metric: str) -> str:
+    """eval/<task>/<acc|acc_norm>: a zero-shot score, from `prism eval` or an eval during training."""
+    return f"eval/{task}/{metric}"

@@ -44,6 +44,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
+from pipeline.eval.catalog import eval_tokens
 from pipeline.exit_codes import EXIT_FINISHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED, InfrastructureFault
 
 
@@ -283,23 +284,27 @@ class StepActions:
     log: bool
     checkpoint: bool
     milestone: bool = False  # a checkpoint prune keeps (checkpoint.keep_every_steps)
+    eval: bool = False  # downstream zero-shot evals (train.eval_every), before the step's checkpoint
 
 
 def step_actions(
     cfg: Config, step: int, total_steps: int, stop: bool = False, minutes_due: bool = False
 ) -> StepActions:
-    """The one rule for which steps validate, log, checkpoint and therefore sync (1-based ``step``): the
+    """The one rule for which steps validate, eval, log, checkpoint and therefore sync (1-based ``step``): the
     first step logs, the last does everything, a stop signal checkpoints, a milestone step checkpoints; the
     others only read back on a sync step, so their losses stay on the device until then. With
     checkpoint.every_minutes the clock replaces every_steps: ``minutes_due`` is the ranks' agreement, asked at
     sync steps (Saver.minutes_due)."""
     t, last, c = cfg.train, step == total_steps, cfg.checkpoint
     validate = step % t.val_every == 0 or last
+    evaluate = t.eval_every > 0 and (step % t.eval_every == 0 or last)
     log = step == 1 or step % t.log_every == 0 or validate
     milestone = checkpoint.is_milestone(step, c.keep_every_steps, total_steps)
     by_steps = c.every_minutes is None and step % c.every_steps == 0
     save = by_steps or minutes_due or last or stop or milestone
-    return StepActions(sync=log or save, validate=validate, log=log, checkpoint=save, milestone=milestone)
+    return StepActions(
+        sync=log or save or evaluate, validate=validate, log=log, checkpoint=save, milestone=milestone, eval=evaluate
+    )
 
 
 class UnreadSteps:
@@ -492,6 +497,7 @@ class Run:
     node_metrics: Any = None  # pipeline.tracking.system.NodeMetrics on the first rank of nodes but rank 0's
     train_loss: float = float("nan")  # of the last sync step
     val_loss: float | None = None  # of the last validation
+    evals: Any = None  # pipeline.eval.in_run.DownstreamEval when train.eval_every is set
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -546,6 +552,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         pin_memory=device == "cuda",
     )
     val_rows = data.load_val_tokens(cfg, manifest)
+    evals = downstream_evals(cfg)  # before the model: a missing eval set or tokenizer costs nothing
     model = build_model(cfg)  # on the GPU already when there is one
     # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a
     # `prism export` folder's weights (train.init_from), else the model's own initialisation.
@@ -581,6 +588,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
     run.saver = Saver(engine, cfg, device)
     run.skipper, run.clock = skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
+    run.evals = evals
     ranks = topology()  # a collective: every rank
     say(f"prism train: {topology_line(ranks)}")
     run_id = [state.run_id]  # rank 0's: the other nodes log their system metrics into the same run
@@ -615,6 +623,8 @@ def loop(run: Run) -> int:
         validation_steps=[s for s, a in planned.items() if a.validate],
         checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
         validation_tokens=run.val_rows.shape[0] * cfg.model.seq_len,
+        eval_steps=[s for s, a in planned.items() if a.eval],
+        eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
     )
     while state.step < run.total_steps:
         lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
@@ -662,6 +672,9 @@ def loop(run: Run) -> int:
             stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
             pace = progress.pace(state.step)
             log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, pace, stragglers)
+        if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
+            with progress.aside("eval"):
+                downstream_eval(run)
         if actions.checkpoint:
             with progress.aside("checkpoint"):  # the time the step is blocked: staging, or the whole write
                 run.saver.save(state, final=stop or state.step == run.total_steps)
@@ -673,6 +686,27 @@ def loop(run: Run) -> int:
             )
             return EXIT_STOPPED
     return EXIT_FINISHED
+
+
+def downstream_evals(cfg: Config) -> Any:
+    """The evals during training (pipeline.eval.in_run), checked before step 1; None without train.eval_every."""
+    if not cfg.train.eval_every:
+        return None
+    from pipeline.eval.in_run import DownstreamEval
+
+    return DownstreamEval(cfg)
+
+
+def downstream_eval(run: Run) -> None:
+    """This step's zero-shot scores, on every rank: to the tracker at the step, one console line."""
+    from pipeline.eval.in_run import eval_line
+    from pipeline.eval.zeroshot import score_metrics
+
+    t0 = time.perf_counter()
+    scores = run.evals(run.engine)
+    if scores:  # where lm-eval returned them (global rank 0 among them)
+        run.tracker.log_metrics(score_metrics(scores), run.state.step)
+        say(eval_line(run.state.step, scores, time.perf_counter() - t0))
 
 
 def finish(run: Run, exit_code: int) -> dict[str, Any]:

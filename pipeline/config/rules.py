@@ -85,6 +85,8 @@ RANGES: dict[str, Range] = {
     "train.skip_window": Range(2),  # a standard deviation needs two values
     "train.skip_sigma": POSITIVE,  # when set
     "train.max_skips_in_a_row": AT_LEAST_1,
+    "train.eval_every": NON_NEGATIVE,  # 0 = no downstream evals during the run
+    "train.eval_limit": AT_LEAST_1,  # when set; None = whole validation sets
     "data.limit": Range(1, also=(-1,)),
     "data.val_fraction": FRACTION,
     "data.sequences_per_sample": AT_LEAST_1,
@@ -175,6 +177,7 @@ def check_combinations(cfg: Config) -> None:
         warnings.warn(line, stacklevel=2)
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
+    check_eval_tasks(cfg)
     for key in cfg.checkpoint.allow_changes:
         if key not in RECIPE_KEYS:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
@@ -206,6 +209,23 @@ def check_val_sets(cfg: Config) -> None:
             raise ConfigError(f"{cfg.source}: {key}.dataset_dir: is empty; give a prepared dataset folder")
         if spec.tokens is not None and spec.tokens < 1:
             raise ConfigError(f"{cfg.source}: {key}.tokens: {spec.tokens} must be >= 1 (or null: train.val_tokens)")
+
+
+def check_eval_tasks(cfg: Config) -> None:
+    """train.eval_every needs tasks, and every task must be one of the offline sets (pipeline.eval.catalog)."""
+    from pipeline.eval.catalog import OFFLINE_TASKS
+
+    t = cfg.train
+    for task in t.eval_tasks:
+        if task not in OFFLINE_TASKS:
+            raise ConfigError(
+                f"{cfg.source}: train.eval_tasks: unknown task {task!r}; choose from {', '.join(OFFLINE_TASKS)}"
+            )
+    if t.eval_every and not t.eval_tasks:
+        raise ConfigError(
+            f"{cfg.source}: train.eval_every: {t.eval_every} with no train.eval_tasks; list tasks, e.g. "
+            f"train.eval_tasks=[{','.join(OFFLINE_TASKS)}], or set train.eval_every=0"
+        )
 
 
 def check_replication(cfg: Config) -> None:

@@ -15,10 +15,11 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.eval.catalog import OFFLINE_TASKS as PAPER_TASKS
+from pipeline.eval.catalog import TASKS_DIR
+from pipeline.metric_names import eval_metric
 from pipeline.tracking.store import log_to_run
 
-TASKS_DIR = Path(__file__).parent / "tasks"
-PAPER_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy")
 METRICS = ("acc", "acc_norm")
 # Published numbers for these tasks use another split than the one scored offline.
 PUBLISHED_SPLIT = {"arc_easy": "test"}
@@ -61,7 +62,8 @@ def check_tasks(tasks: list[str], source: str):
 
 
 def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = "offline") -> dict[str, Any]:
-    """Scores per task: {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, split, samples, chance}}."""
+    """Scores per task: {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, split, samples, chance}}. Under
+    torchrun lm-eval returns them on the first process of each node only; the others get {}."""
     import datasets
     import lm_eval
 
@@ -72,6 +74,8 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
         model=lm, tasks=tasks, limit=limit, task_manager=manager, num_fewshot=0, bootstrap_iters=1000, log_samples=True
     )
     scores: dict[str, Any] = {}
+    if out is None:  # lm-eval builds results where LOCAL_RANK is 0 only
+        return scores
     for task in tasks:
         result, cfg = out["results"][task], out["configs"][task]
         samples = out["samples"][task]
@@ -95,6 +99,11 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
             )
         scores[task] = entry
     return scores
+
+
+def score_metrics(scores: dict[str, Any]) -> dict[str, float]:
+    """The scores as metrics, eval/<task>/<acc|acc_norm>: what `prism eval` and the evals during training log."""
+    return {eval_metric(task, m): s[m] for task, s in scores.items() for m in METRICS if m in s}
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
@@ -137,7 +146,7 @@ def evaluate_checkpoint(
     }
     path = Path(out) if out else cfg.run_dir / "eval" / f"{info.tag_dir.name}-zeroshot.json"
     write_json(report, path)
-    metrics = {f"eval/{task}/{m}": s[m] for task, s in scores.items() for m in METRICS if m in s}
+    metrics = score_metrics(scores)
     report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, [("eval", path)])
     write_json(report, path)
     report["json"] = str(path)

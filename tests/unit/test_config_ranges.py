@@ -82,13 +82,17 @@ BAD = [
     ("checkpoint.every_minutes=0", "checkpoint.every_minutes"),
     ("checkpoint.max_failed_saves=0", "checkpoint.max_failed_saves"),
     ("checkpoint.async_save=sometimes", "checkpoint.async_save"),
+    ("train.eval_every=-1", "train.eval_every"),
+    ("train.eval_limit=0", "train.eval_limit"),
+    ("train.eval_tasks=[piqa,mmlu]", "train.eval_tasks"),  # an unknown task
+    ("train.eval_tasks=[]", "train.eval_every"),  # on a preset with eval_every set: no tasks to score
 ]
 
 
 @pytest.mark.parametrize(("override", "key"), BAD, ids=[o for o, _ in BAD])
 def test_out_of_range_value_is_refused_naming_its_key(override, key):
     with pytest.raises(config.ConfigError) as e:
-        config.load(TINY, [override])
+        config.load(TINY, ["train.eval_every=8", override])
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(f"{TINY}: {key}:"), message
@@ -113,13 +117,18 @@ def test_every_numeric_key_has_a_range():
         ("checkpoint.every_minutes=-5", "checkpoint.every_minutes"),
         ("train.lr=-1", "train.lr"),
         ("run.scale=../../x", "run.scale"),
+        ("train.eval_tasks=[hellaswag,mmlu]", "train.eval_tasks"),
+        ("train.eval_every=8", "train.eval_every"),  # tasks emptied below
     ],
 )
 def test_cli_exits_2_with_one_line_before_anything_runs(override, key, tmp_path):
     # `prism plan` and `prism train` load the config the same way; plan answers without torch.
     for verb in ("plan", "train"):
         out = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", verb, str(TINY), override, f"run.output_dir={tmp_path}"],
+            [
+                *(sys.executable, "-m", "pipeline.cli", verb, str(TINY), "train.eval_tasks=[]", override),
+                f"run.output_dir={tmp_path}",
+            ],
             capture_output=True,
             text=True,
             timeout=300,

@@ -202,3 +202,37 @@ def test_staged_checkpoint_files_are_host_copies_taken_at_save_time():
     [(_, again)] = engine.take_staged()
     assert again["module"]["a"].data_ptr() == staged["module"]["a"].data_ptr()  # the same host buffer
     assert torch.equal(again["module"]["a"], weight)
+
+
+def test_step_actions_evals_at_multiples_of_eval_every_and_the_last_step():
+    """Downstream evals: every eval_every steps and at the last; each one a sync step; none with eval_every=0."""
+    from pipeline import config
+    from pipeline.train import step_actions
+
+    cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=5", "train.val_every=5", "train.eval_every=3"])
+    actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
+    assert [s for s, a in actions.items() if a.eval] == [3, 6, 7]
+    assert all(a.sync for a in actions.values() if a.eval)
+    assert [s for s, a in actions.items() if a.sync] == [1, 3, 5, 6, 7]
+    off = config.load("configs/tiny_prism.yaml", ["train.eval_every=0"])
+    assert not any(step_actions(off, step, 7).eval for step in range(1, 8))
+
+
+def test_rng_preserved_leaves_the_training_streams_as_they_were():
+    """lm-eval reseeds python, numpy and torch: inside rng_preserved that does not reach the training draws."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from pipeline import distributed
+    from pipeline.checkpoint import rng_preserved
+
+    distributed.init_model_parallel(tp=1, seed=5)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    with rng_preserved():
+        random.seed(0), np.random.seed(1234), torch.manual_seed(1234)
+        torch.rand(5), np.random.rand(3), random.random()
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

@@ -67,3 +67,25 @@ def test_no_trained_step_since_the_last_line_gives_no_pace():
     assert progress.pace(4) is None
     clock.now += 1.0
     assert progress.pace(5).tokens_per_sec == pytest.approx(TOKENS)
+
+
+def test_evals_are_timed_apart_and_counted_in_the_eta():
+    """Evals every 10 steps (after the step's line) at 3 s each: the rate stays the training rate, and once
+    one eval is measured elapsed + ETA is when the run ends."""
+    clock = FakeClock()
+    evals = [10, 20, 30, 40]
+    progress = Progress(TOTAL, 0, TOKENS, [], [], 0, eval_steps=evals, eval_tokens=4 * TOKENS, clock=clock)
+    lines = {}
+    for step in range(1, TOTAL + 1):
+        clock.now += STEP_SECONDS
+        if step % LOG_EVERY == 0:
+            lines[step] = progress.pace(step)
+        if step in evals:
+            with progress.aside("eval"):
+                clock.now += 3.0
+    assert all(p.tokens_per_sec == pytest.approx(TOKENS / STEP_SECONDS) for p in lines.values())
+    # before the first eval: estimated as a forward pass over its tokens (4 steps' tokens / 3)
+    assert lines[2].eta == pytest.approx(38 * STEP_SECONDS + 4 * 4 * STEP_SECONDS / 3)
+    for step, p in lines.items():
+        if step > 10:
+            assert 100.0 + p.elapsed + p.eta == pytest.approx(clock.now), step
