@@ -8,7 +8,9 @@ std over the runs that reached it, plus how many did not); tokens/s = tokens aft
 wall time from the first to the last logged step, with a note when runs overlapped in time on one host
 (they shared its cores, so their speeds are not comparable). Writes Markdown,
 CSV and two PNGs per scale (val loss vs tokens with ±1 std seed bands; Δ val loss vs tokens on a common
-token grid, the paper's Fig. 3a), and logs them as artifacts of a run tagged ``kind=comparison``.
+token grid, the paper's Fig. 3a), plus downstream accuracy against tokens when the runs logged eval/* scores
+(pipeline.compare_evals: its table section, CSV and PNG), and logs them as artifacts of a run tagged
+``kind=comparison``.
 
 A metric logged twice at one step (a resume replays steps after the last checkpoint) counts once: the
 value with the latest timestamp wins. Never imports the training loop.
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import statistics
+from pipeline import compare_evals, statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 from pipeline.metric_names import metric_history
@@ -52,6 +54,7 @@ class RunSeries:
     data_order: str = ""  # what fixes the batch sequence besides the seed: same value + same seed = pairable
     host: str = ""
     span: tuple[float, float] = (math.nan, math.nan)  # wall-clock seconds (first, last) of the logged steps
+    evals: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)  # task/metric -> (step, tokens, v)
 
     @property
     def final_val_loss(self) -> float:
@@ -138,6 +141,14 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
         batch_tokens = float(params.get("train.batch_tokens", "nan"))
         series = [(s, tokens.get(s, s * batch_tokens), v) for s, v in val.items()]
         tps, span = throughput(tokens_history)
+        evals = {  # zero-shot scores, at the tokens of their step
+            key.removeprefix("eval/"): [
+                (s, tokens.get(s, s * batch_tokens), v)
+                for s, v in latest_per_step(client.get_metric_history(rid, key)).items()
+            ]
+            for key in run.data.metrics
+            if key.startswith("eval/")
+        }
         milestones: dict[float, tuple[float, float] | None] = {}
         for x in _thresholds(params, [*run.data.metrics, *tags]):
             tok_key, step_key = f"milestone/val_{x!r}_tokens", f"milestone/val_{x!r}_step"
@@ -162,6 +173,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
                 data_order="|".join(params.get(k, "?") for k in DATA_ORDER_PARAMS),
                 host=tags.get("hostname", ""),
                 span=span,
+                evals=evals,
             )
         )
     if not runs:
@@ -473,7 +485,19 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
     table = markdown(rows, experiment, shared_machine(runs))
     if unfinished:
         table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
+    accuracy = compare_evals.summarize(runs)
+    table += compare_evals.markdown(accuracy)
     paths = [_write(out / "comparison.md", table), _write(out / "comparison.csv", to_csv(rows))]
+    if accuracy:
+        paths.append(_write(out / "accuracy_vs_tokens.csv", compare_evals.to_csv(accuracy)))
     paths += plot(runs, out)
+    paths += compare_evals.plot(accuracy, out, _save, compact_tokens) if accuracy else []
     run_id = log_comparison(experiment, tracking_uri, paths, runs) if log_to_mlflow else None
-    return {"table": table, "rows": rows, "runs": runs, "paths": paths, "comparison_run_id": run_id}
+    return {
+        "table": table,
+        "rows": rows,
+        "accuracy": accuracy,
+        "runs": runs,
+        "paths": paths,
+        "comparison_run_id": run_id,
+    }

@@ -148,3 +148,12 @@ def seeds_needed(
             return n
         n += 1
     return cap + 1
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): Student's t interval of the mean; low and high are nan for fewer than two values."""
+    mean, std = mean_std(values)
+    if len(values) < 2:
+        return mean, NAN, NAN
+    half = t_quantile(0.5 + level / 2.0, len(values) - 1) * std / math.sqrt(len(values))
+    return mean, mean - half, mean + half

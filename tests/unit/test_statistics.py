@@ -73,3 +73,12 @@ def test_seeds_needed_reaches_the_requested_power_and_grows_with_noise():
     assert st.seeds_needed(effect, sd, paired=False) > n  # two independent groups need more
     assert st.seeds_needed(0.0, sd, paired=True) is None and st.seeds_needed(effect, math.nan, paired=True) is None
     assert st.seeds_needed(1e-6, 1.0, paired=True, cap=50) == 51
+
+
+def test_mean_interval_matches_scipy_t_interval():
+    values = [0.31, 0.29, 0.35]
+    mean, low, high = st.mean_interval(values)
+    want = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 3, scale=stats.sem(values))
+    assert mean == pytest.approx(sum(values) / 3) and (low, high) == pytest.approx(want)
+    one = st.mean_interval([0.3])
+    assert one[0] == 0.3 and math.isnan(one[1]) and math.isnan(one[2])
