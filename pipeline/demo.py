@@ -1,8 +1,9 @@
 """The whole study in miniature, offline, on CPU (what `prism demo` and `make demo` run).
 
 Embedded corpus + BPE tokenizer -> `prism prepare` -> `prism train` for tiny_uniform and tiny_prism (same data,
-seed and token budget; each arm a clean subprocess through the real DeepSpeed path) -> both logged to one
-SQLite MLflow store (<run.output_dir>/mlflow.db) -> `prism compare` table and plots, next to the unigram
+seed and token budget; each arm a clean subprocess through the real DeepSpeed path, zero-shot evals at three
+steps) -> both logged to one SQLite MLflow store (<run.output_dir>/mlflow.db) -> `prism compare` table and plots
+(val loss and downstream accuracy against tokens), next to the unigram
 entropy of the training tokens (a model that learned nothing beyond token frequencies scores about that).
 A second run reuses the dataset and skips arms whose MLflow run already FINISHED with the same config.
 """
@@ -20,6 +21,9 @@ from pathlib import Path
 from pipeline.console import duration
 
 ARMS = ("uniform", "prism")
+# What the demo adds to the tiny presets (before the user's overrides): zero-shot evals at steps 128, 256 and 384,
+# on the preset's eval_tasks and small eval_limit (the presets leave them off for the tests' short runs).
+DEMO_OVERRIDES = ("train.eval_every=128",)
 # Keys both arms must share for the comparison to mean anything (the schedule is what differs).
 SHARED_KEYS = ("run.seed", "train", "data", "model.seq_len", "model.num_layers", "model.d_model")
 
@@ -73,7 +77,8 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
 
     t0 = time.monotonic()
     folder = find_presets(preset_dir)
-    runs = dict(zip(ARMS, expand_grid([folder / f"tiny_{arm}.yaml" for arm in ARMS], overrides=overrides)))
+    presets = [folder / f"tiny_{arm}.yaml" for arm in ARMS]
+    runs = dict(zip(ARMS, expand_grid(presets, overrides=[*DEMO_OVERRIDES, *overrides])))
     cfgs = {arm: run.cfg for arm, run in runs.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
     if differ:
@@ -194,7 +199,7 @@ def train_arms(commands: dict[str, list[str]], cfg, t0: float) -> int:
 
 class ArmTiming:
     """Times each arm from its step lines and prints the demo's estimate once, from what it measured:
-    per arm the seconds per step between its first two step lines, plus the validation passes still ahead
+    per arm the seconds per step between its first two step lines, plus the validations and evals still ahead
     (a forward pass costs about a third of a training step per token), plus start-up for arms not begun."""
 
     def __init__(self, cfg, t0: float, arms: int, at_once: int):
@@ -231,12 +236,13 @@ class ArmTiming:
         )
 
     def remaining_seconds(self, timed: list[str]) -> float:
-        t = self.cfg.train
-        val_share = t.val_tokens / (3 * t.val_every * t.batch_tokens)  # validation per training-step time
+        from pipeline.budget import aside_cost
+
         left, whole = [], []
         for arm in timed:
             (t1, s1, total), (t2, s2, _) = self.points[arm]
-            per_step = (t2 - t1) / max(1, s2 - s1) * (1 + val_share)
+            aside = aside_cost(self.cfg, total)["share"]  # validations and evals: their share of the arm's time
+            per_step = (t2 - t1) / max(1, s2 - s1) / (1 - aside)
             left.append((total - s2) * per_step)
             whole.append(t1 - self.launched[arm] + total * per_step)  # start-up + all steps
         rounds_after = math.ceil((self.arms - len(timed)) / self.at_once)  # arms still waiting for a core

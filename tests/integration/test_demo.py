@@ -52,6 +52,9 @@ def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(ti
         assert re.search(rf"final val loss\s+{arm}: \d+\.\d+", first)
 
     assert "prism demo: estimate from the first steps: training done in about" in first
+    # the demo's zero-shot evals (train.eval_every=128: here only the last step, 4) in the table and a plot
+    assert re.search(r"^  prism \| prism train: eval at step 4 \(", first, re.M)
+    assert "Downstream zero-shot accuracy against tokens" in first and "accuracy_vs_tokens_tiny.png" in first
     assert re.search(r"^uniform \| step +4/4 \|", first, re.M) and re.search(r"^  prism \| step +4/4 \|", first, re.M)
 
     client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
