@@ -35,7 +35,7 @@ def test_in_run_evals_equal_prism_eval_on_the_same_checkpoint(layout, tiny_data,
     trained = subprocess.run(command(ov, 2), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     lines = [x for x in trained.stdout.splitlines() if x.startswith("prism train: eval at step")]
-    assert [x.split()[4] for x in lines] == ["2", "4"], trained.stdout  # once per eval step, from rank 0 only
+    assert [x.split()[5] for x in lines] == ["2", "4"], trained.stdout  # once per eval step, from rank 0 only
 
     tag = checkpoint_dir(tmp_path) / f"step-{EVAL_STEP:07d}"
     out = tmp_path / "eval.json"
