@@ -250,8 +250,8 @@ def aside_cost(cfg: Config, total_steps: int) -> dict[str, Any]:
     """What the run spends besides training steps on validation and downstream evals, FLOPs-based: each is a
     forward pass, a third of a training step's FLOPs per token (pipeline.model_size), so at one MFU
         share = (N_val x T_val + N_eval x T_eval) / 3 / (T_train + (N_val x T_val + N_eval x T_eval) / 3)
-    of the run's wall time. N: how many the loop runs (step_actions); T_val: train.val_tokens in whole rows
-    (pipeline.data.load_val_tokens); T_eval: the input tokens of eval_tasks at eval_limit (pipeline.eval.catalog,
+    of the run's wall time. N: how many the loop runs (step_actions); T_val: the tokens of every validation set
+    (Config.validation_sets()) in whole rows (pipeline.data.load_val_tokens); T_eval: the input tokens of eval_tasks at eval_limit (pipeline.eval.catalog,
     GPT-NeoX BPE counts); T_train: the tokens trained."""
     from pipeline.eval.catalog import eval_tokens
     from pipeline.train import step_actions
@@ -259,7 +259,8 @@ def aside_cost(cfg: Config, total_steps: int) -> dict[str, Any]:
     t = cfg.train
     actions = [step_actions(cfg, step, total_steps) for step in range(1, total_steps + 1)]
     validations, evals = sum(a.validate for a in actions), sum(a.eval for a in actions)
-    per_validation = max(1, t.val_tokens // cfg.model.seq_len) * cfg.model.seq_len
+    seq = cfg.model.seq_len
+    per_validation = sum(max(1, v.tokens // seq) * seq for v in cfg.validation_sets())
     per_eval = eval_tokens(t.eval_tasks, t.eval_limit) if evals else 0
     forward = validations * per_validation + evals * per_eval
     trained = total_steps * t.batch_tokens
