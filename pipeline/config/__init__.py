@@ -107,12 +107,11 @@ class TrainConfig:
     skip_window: int = 128  # steps a spike is measured against (pipeline.skipping: the step is skipped on the device)
     skip_sigma: float | None = 6.0  # a spike: above mean + this many std of the window; null: NaN/inf only
     max_skips_in_a_row: int = 8  # then the run stops with exit 4 and the non-finite diagnostics
-    # Downstream zero-shot evals during the run (pipeline.eval.in_run): every eval_every steps and at the last
-    # step (0: none), `prism eval`'s scoring of eval_tasks (offline sets) on the live model, the first
-    # eval_limit examples of each task (None: whole validation sets).
+    # Downstream zero-shot evals during the run: `prism eval`'s scoring on the live model (pipeline.eval.in_run),
+    # logged as eval/<task>/<acc|acc_norm> every eval_every steps and at the last step; 0: none.
     eval_every: int = 0
-    eval_tasks: tuple[str, ...] = ()
-    eval_limit: int | None = None
+    eval_tasks: tuple[str, ...] = ()  # offline sets: hellaswag, piqa, winogrande, arc_easy; needed by eval_every
+    eval_limit: int | None = None  # the first eval_limit examples of each task; None: the whole validation sets
 
 
 @dataclass(frozen=True)
