@@ -33,9 +33,8 @@ def load_config(tag_dir: Path, overrides: list[str] | None = None) -> Config:
 
 def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device: str = "auto"):
     """(cfg, model in eval mode, checkpoint.CheckpointInfo). A tensor-parallel checkpoint's parts are joined
-    (pipeline.export.hf.read_weights) into one TP=1 model; ``cfg`` stays the run's (its parallel.tp as trained)."""
+    (read_whole_weights) into one TP=1 model; ``cfg`` stays the run's (its parallel.tp as trained)."""
     from pipeline.distributed import init_model_parallel
-    from pipeline.export.hf import read_weights
     from pipeline.model import build_model, tp_layout
     from pipeline.tracking.journal import journal_run_id
 
@@ -43,7 +42,7 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
     # Place the model where this machine can run it; build_model reads train.device (and train.precision,
     # so a bf16 run is evaluated in bf16 — on GPU the path the paper's numbers come from).
     cfg = load_config(tag_dir, [*(overrides or []), f"train.device={resolve_device(device)}"])
-    weights, info = read_weights(tag_dir, cfg)
+    weights, info = read_whole_weights(tag_dir, cfg)
     one_rank = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
     vocab = model_size.padded_vocab(one_rank)  # the TP size's vocab padding beyond it: rows never scored
     weights = {k: v[:vocab] if k in tp_layout.VOCAB_PARALLEL else v for k, v in weights.items()}
@@ -55,6 +54,17 @@ def load_checkpoint(path: str | Path, overrides: list[str] | None = None, device
     # A run that started while MLflow was down gets its id in the journal only after the checkpoint.
     info.run_id = info.run_id or journal_run_id(cfg.checkpoint_dir)
     return cfg, model, info
+
+
+def read_whole_weights(tag_dir: Path, cfg: Config):
+    """(TP=1 megatron state dict, CheckpointInfo): every TP rank's part read by checkpoint.read_weights, joined
+    by pipeline.model.tp_layout.gather (the vocab padding of the TP size kept)."""
+    from pipeline.model import tp_layout
+
+    if cfg.parallel.tp == 1:
+        return checkpoint.read_weights(tag_dir)
+    parts = [checkpoint.read_weights(tag_dir, tp_rank=rank) for rank in range(cfg.parallel.tp)]
+    return tp_layout.gather([weights for weights, _ in parts], cfg), parts[0][1]
 
 
 def tokenizer_file(cfg: Config) -> Path:

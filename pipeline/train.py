@@ -44,7 +44,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
-from pipeline.eval.catalog import eval_tokens
+from pipeline.eval_catalog import eval_tokens
 from pipeline.exit_codes import EXIT_FINISHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED, InfrastructureFault
 
 

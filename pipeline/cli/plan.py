@@ -50,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
     from pipeline.budget import budget_json, format_budget, make_budget, read_manifest_if_prepared
+    from pipeline.eval_plan import aside_cost, format_aside_cost
 
     cfg = config.load(args.config, args.overrides)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
@@ -66,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
             f"--fs-gbps {args.fs_gbps} and --mtbf-node-hours {args.mtbf_node_hours} must be > 0, e.g. 2 and 6335"
         )
     ckpt = checkpoint_plan(cfg, args.nodes, budget.tp, budget.dp, args.fs_gbps, args.mtbf_node_hours)
+    aside = aside_cost(cfg, budget.steps)
     if args.json:
-        print(json.dumps({**json.loads(budget_json(budget)), "checkpoint": dataclasses.asdict(ckpt)}, indent=1))
+        extra = {"checkpoint": dataclasses.asdict(ckpt), "aside": aside}
+        print(json.dumps({**json.loads(budget_json(budget)), **extra}, indent=1))
         return 0
     step_seconds = budget.wall_seconds / budget.steps if budget.wall_seconds else None
-    print("\n".join([format_budget(cfg, budget), *format_checkpoint_plan(cfg, ckpt, args.nodes, step_seconds)]))
+    lines = [format_budget(cfg, budget), *format_aside_cost(cfg, aside, budget)]
+    print("\n".join([*lines, *format_checkpoint_plan(cfg, ckpt, args.nodes, step_seconds)]))
     return 0

@@ -212,8 +212,8 @@ def check_val_sets(cfg: Config) -> None:
 
 
 def check_eval_tasks(cfg: Config) -> None:
-    """train.eval_every needs tasks, and every task must be one of the offline sets (pipeline.eval.catalog)."""
-    from pipeline.eval.catalog import OFFLINE_TASKS
+    """train.eval_every needs tasks, and every task must be one of the offline sets (pipeline.eval_catalog)."""
+    from pipeline.eval_catalog import OFFLINE_TASKS
 
     t = cfg.train
     for task in t.eval_tasks:

@@ -74,19 +74,3 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: Config, like: dict[str, torch.Tens
     if not cfg.model.tie_embeddings:
         put("output_layer.weight", hf["lm_head.weight"], rows=vocab)
     return out
-
-
-def gather_tp(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
-    """One TP=1 megatron state dict from the TP ranks' (rank order), joined as pipeline.model.tp_layout says
-    each weight is split (the vocab padding of the TP size kept)."""
-    from pipeline.model.tp_layout import join, tp_split
-
-    if len(shards) == 1:
-        return shards[0]
-    out = {}
-    for name, first in shards[0].items():
-        if not isinstance(first, torch.Tensor):  # megatron's _extra_state entries
-            out[name] = first
-        else:
-            out[name] = join([shard[name] for shard in shards], tp_split(name, cfg))
-    return out

@@ -172,7 +172,7 @@ def export(
 
     from pipeline import checkpoint
     from pipeline.export import convert
-    from pipeline.inference import load_config, load_tokenizer, tokenizer_file
+    from pipeline.inference import load_config, load_tokenizer, read_whole_weights, tokenizer_file
 
     tag_dir = checkpoint.resolve_tag_dir(checkpoint_path)
     cfg = load_config(tag_dir, overrides)
@@ -186,7 +186,7 @@ def export(
     if problem:
         raise ConfigError(f"{tag_dir}: {problem}; use another checkpoint of the run")
     _, eos_id = load_tokenizer(cfg)  # refuses a missing tokenizer before anything is written
-    weights, info = read_weights(tag_dir, cfg)
+    weights, info = read_whole_weights(tag_dir, cfg)
     if info.run_id is None:
         from pipeline.tracking.journal import journal_run_id
 
@@ -227,18 +227,6 @@ def export(
         "step": info.step,
         "mlflow": log_export(cfg, info, out) if log else {"logged": False, "reason": "scratch export"},
     }
-
-
-def read_weights(tag_dir: Path, cfg: Config):
-    """(TP=1 megatron state dict, CheckpointInfo): every TP rank's part read by checkpoint.read_weights,
-    gathered by convert.gather_tp."""
-    from pipeline import checkpoint
-    from pipeline.export import convert
-
-    if cfg.parallel.tp == 1:
-        return checkpoint.read_weights(tag_dir)
-    parts = [checkpoint.read_weights(tag_dir, tp_rank=rank) for rank in range(cfg.parallel.tp)]
-    return convert.gather_tp([weights for weights, _ in parts], cfg), parts[0][1]
 
 
 def log_export(cfg: Config, info, out: Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ columns (the attention output ``linear_proj``, ``linear_fc2``). Norms and the bi
 are whole on every rank, and so is the attention of a layer the config replicates (pipeline.model.replication).
 A SwiGLU fc1 is [gate; up], and each rank holds [its gate rows; its up rows]: joining ranks un-interleaves them.
 
-Readers: the export's TP gather (pipeline.export.convert) and the resume at another TP size
+Readers: the TP gather of inference and the export (``gather``, pipeline.inference.read_whole_weights) and the resume at another TP size
 (pipeline.reshard, which declares this layout to DeepSpeed's universal checkpoint). Torch-free apart from join.
 """
 
@@ -71,3 +71,19 @@ def join(parts: list[Any], split: TPSplit) -> Any:
         gates, ups = zip(*(p.chunk(2, dim=split.dim) for p in parts))
         return torch.cat([*gates, *ups], dim=split.dim)
     return torch.cat(parts, dim=split.dim)
+
+
+def gather(shards: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """One TP=1 megatron state dict from the TP ranks' (rank order), each weight joined as tp_split says it is
+    split (the vocab padding of the TP size kept)."""
+    import torch
+
+    if len(shards) == 1:
+        return shards[0]
+    out = {}
+    for name, first in shards[0].items():
+        if not isinstance(first, torch.Tensor):  # megatron's _extra_state entries
+            out[name] = first
+        else:
+            out[name] = join([shard[name] for shard in shards], tp_split(name, cfg))
+    return out

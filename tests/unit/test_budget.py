@@ -42,19 +42,19 @@ def test_validation_and_evals_of_the_757m_defaults_by_hand():
     """validation every 250 steps and at the last (160 of 39,997) over 5,242,880 tokens; evals every 2,000 and
     at the last (20) over the four whole offline sets; each a forward pass, a third of a training token's
     FLOPs: at most 2 % of the run's wall time."""
-    from pipeline.eval.catalog import eval_tokens
+    from pipeline.eval_catalog import eval_tokens
+    from pipeline.eval_plan import aside_cost, format_aside_cost
 
     cfg = config.load(P757)
-    a = budget.make_budget(cfg, nodes=1, gpus_per_node=8, mfu=0.4, peak_flops=989e12).aside
+    a = aside_cost(cfg, budget.make_budget(cfg, nodes=1, gpus_per_node=8, mfu=0.4, peak_flops=989e12).steps)
     assert (a["validations"], a["validation_tokens"], a["evals"]) == (160, 5_242_880, 20)
     assert a["eval_tokens"] == eval_tokens(("hellaswag", "piqa", "winogrande", "arc_easy"), None) > 3_000_000
     forward = (160 * 5_242_880 + 20 * a["eval_tokens"]) / 3
     assert a["share"] == pytest.approx(forward / (39_997 * 524_288 + forward))
     assert a["share"] == pytest.approx(a["validation_share"] + a["eval_share"]) and a["share"] <= 0.02
-    text = budget.format_budget(cfg, budget.make_budget(cfg, gpus_per_node=8, peak_flops=989e12))
+    text = "\n".join(format_aside_cost(cfg, a, budget.make_budget(cfg, gpus_per_node=8, peak_flops=989e12)))
     assert f"val + eval   {a['share']:.2%} of the run's wall time" in text and "share = (N_val x T_val" in text
-    off = config.load(P757, ["train.eval_every=0"])
-    assert budget.make_budget(off, gpus_per_node=8).aside["evals"] == 0
+    assert aside_cost(config.load(P757, ["train.eval_every=0"]), 39_997)["evals"] == 0
 
 
 @pytest.mark.parametrize(
