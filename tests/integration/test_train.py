@@ -340,9 +340,11 @@ def reference_loop(cfg: config.Config, dp_size: int, steps: int) -> tuple[list[f
 
 def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tmp_path):
     """Also the checkpoint clock over two ranks: checkpoint.every_minutes so small that every sync step is due
-    (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it."""
+    (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it.
+    And the slowest rank named: rank 1 sleeps 0.2 s in each data fetch (the numbers do not change)."""
     ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2", "checkpoint.every_minutes=1e-6")
-    log = run(ov, nproc=2, faults={"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4"}).stdout
+    slow = {"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4", "PRISM_FAULT_SLOW_RANK": "1:0.2"}
+    log = run(ov, nproc=2, faults=slow).stdout
     staged = [
         int(line.split("step-")[1][:7]) for line in log.splitlines() if line.endswith("writing in the background")
     ]
@@ -357,6 +359,8 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     assert (m[1]["train/loss"], m[1]["train/grad_norm"]) == pytest.approx((want_loss[0], want_norm[0]), rel=2e-4)
     assert losses(m)[:3] == pytest.approx(want_loss, rel=2e-3)
     assert losses(m, "train/grad_norm")[:3] == pytest.approx(want_norm, rel=2e-3)
+    assert all(m[s]["perf/slowest_rank"] == 1 and m[s]["perf/rank_time_max"] >= 0.4 for s in m)  # 2 fetches
+    assert "| slowest rank 1 +" in log
 
 
 def test_nan_steps_are_skipped_counted_and_stop_the_run_after_m_in_a_row(tiny_data, tmp_path):
@@ -370,6 +374,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run_after_m_in_a_row(tiny_da
     assert "prism train: step 2 skipped (loss nan" in out.stdout and "| skipped 1" in out.stdout
     m = metrics(tmp_path)
     assert [m[s]["train/skipped_steps"] for s in range(1, 5)] == [0, 1, 1, 2]
+    assert m[1]["perf/slowest_rank"] == 0 and m[1]["perf/rank_time_max"] > 0  # one rank: itself
     ckpt = checkpoint_dir(tmp_path)
     assert (ckpt / "latest").read_text() == "step-0000004"  # nothing written at the step that stopped the run
     weights = {s: checkpoint.read_weights(ckpt / f"step-{s:07d}")[0] for s in (1, 2, 3)}
