@@ -65,14 +65,22 @@ class NodeMetrics:
         thread = getattr(self.monitor, "_process", None)  # MLflow's monitor thread (None: it did not start)
         return thread is not None and thread.is_alive()
 
-    def finish(self) -> None:
+    def finish(self, wait_s: float = 10.0) -> None:
+        """Stop; MLflow's own finish (its last samples) gets ``wait_s``: with the server down its requests
+        retry for minutes, and the exit must not wait for them."""
         self._stop.set()
         monitor = self.monitor
         if monitor is not None:
-            try:
-                monitor.finish()  # its last samples
-            except Exception:  # noqa: BLE001 - at the end of training; nothing left to protect but the exit
-                pass
+            closing = threading.Thread(target=self._finish_quietly, args=(monitor,), daemon=True)
+            closing.start()
+            closing.join(wait_s)
+
+    @staticmethod
+    def _finish_quietly(monitor: Any) -> None:
+        try:
+            monitor.finish()
+        except Exception:  # noqa: BLE001 - at the end of training; nothing left to protect but the exit
+            pass
 
 
 def other_node_metrics(cfg: Any, run_id: str | None, ranks: list[dict[str, Any]], rank: int) -> NodeMetrics | None:
