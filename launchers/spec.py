@@ -9,7 +9,15 @@ from typing import Any
 
 from pipeline.config import ConfigError
 
-SLURM_INT_KEYS = ("nodes", "gpus_per_node", "cpus_per_task", "timeout_min", "signal_delay_s", "array_parallelism")
+SLURM_INT_KEYS = (
+    "nodes",
+    "gpus_per_node",
+    "cpus_per_task",
+    "timeout_min",
+    "signal_delay_s",
+    "array_parallelism",
+    "max_num_timeout",
+)
 SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")
 
 

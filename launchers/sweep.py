@@ -236,6 +236,13 @@ def first_result(job: Any) -> Any:
     return job.results()[0]
 
 
+# How many time-outs a sweep or search job requeues after (submitit's own default is 3). The 757M run is about
+# 9 h on 8 GPUs, 3 time-outs of the default 4 h timeout_min, and about 72 h on one GPU, 18; 30 leaves room for
+# slower nodes and bigger budgets. A job that stops making progress is ended by the trainer's crash and hang
+# handling (docs/cluster.md), not by this bound. Preemptions do not count (submitit requeues those always).
+MAX_NUM_TIMEOUT = 30
+
+
 def make_executor(
     folder: Path,
     executor: str,
@@ -249,10 +256,13 @@ def make_executor(
     array_parallelism: int = 256,
     job_name: str = "prism-sweep",
     additional_parameters: dict[str, Any] | None = None,
+    max_num_timeout: int = MAX_NUM_TIMEOUT,
 ) -> submitit.Executor:
     if executor not in ("slurm", "local"):
         raise ConfigError(f"sweep: executor={executor!r}; use 'slurm' or 'local'")
-    ex = submitit.AutoExecutor(folder=folder / "submitit" / "%j", cluster=executor)
+    ex = submitit.AutoExecutor(
+        folder=folder / "submitit" / "%j", cluster=executor, slurm_max_num_timeout=max_num_timeout
+    )
     params: dict[str, Any] = {
         "nodes": nodes,
         "tasks_per_node": 1,
@@ -291,7 +301,7 @@ def submit(
     """Submit one job per grid point as one submitit job array; write the sweep manifest; return at once.
 
     executor_params go to make_executor (nodes, gpus_per_node, cpus_per_task, timeout_min, partition,
-    signal_delay_s, array_parallelism, additional_parameters)."""
+    signal_delay_s, array_parallelism, additional_parameters, max_num_timeout)."""
     grid = build_grid(arms, scales, seeds, schedules, overrides)
     folder = Path(folder) if folder else ROOT / "runs" / "sweeps" / name
     folder.mkdir(parents=True, exist_ok=True)
