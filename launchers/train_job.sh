@@ -20,16 +20,20 @@
 #   PRISM_SHUTDOWN_GRACE  seconds the workers get to checkpoint after the stop signal (default 150; keep it
 #                         below the --signal lead time)
 #   PRISM_REQUEUE         1 = requeue after a signal-triggered checkpoint, 0 = just stop (default 1)
+#   PRISM_MAX_RESTARTS    restarts of a crashed step (exit 1 or 5, or killed) in the allocation, per job across
+#                         its requeues; a crash loop (the same step failing again) stops sooner (default 3,
+#                         launchers/recovery.py says why)
 #   NCCL_*, TORCH_NCCL_*  any NCCL setting; the defaults below apply only where unset
 # CPU-only cluster (how the tests run the tiny preset):
 #   SBATCH_GPUS_PER_NODE=0 PRISM_CONFIG=configs/tiny_prism.yaml sbatch launchers/prism_757m.sbatch
 #
 # Exit/requeue contract (the numbers are pipeline/exit_codes.py's): `prism train` exits 0 when the token
 # budget is done (no requeue), 3 after a checkpoint forced by SIGTERM/SIGUSR1/SIGUSR2 (requeue), 4 on NaN/inf
-# (no requeue), 2 on bad input.
+# (no requeue), 2 on bad input (no retry), 5 on an infrastructure fault and 1 on a crash (both restarted here
+# from latest, launchers/recovery.py decides: up to PRISM_MAX_RESTARTS, never a crash loop).
 # torchrun's own status says little (a signal sent to the step, `scancel --signal=USR1 JOB`, kills it with
 # 138 after the workers checkpointed), so rank 0 also writes an exit record (PRISM_EXIT_FILE: "signal STEP",
-# "finished STEP" or "nonfinite STEP") and that decides: signal -> requeue, finished -> done (also when a
+# "finished STEP", "nonfinite STEP", "infra STEP", "crashed STEP", "bad_input 0") and that decides: signal -> requeue, finished -> done (also when a
 # late signal killed torchrun after the final checkpoint), no record -> failed unless a signal reached this
 # shell before the trainer could checkpoint (then requeue: it resumes from the last checkpoint).
 set -uo pipefail
@@ -65,7 +69,9 @@ export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK  # Slurm >= 22.05: srun no longer inher
 
 # NCCL defaults (users override by exporting before sbatch; sbatch passes the environment through).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# A timed-out NCCL collective aborts the process (3: without tearing the communicators down, which can hang
+# too) instead of leaving it stuck; the job script then restarts the step (docs/cluster.md).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # torchrun forwards only the signals it handles; USR1/USR2 would otherwise kill it without a checkpoint.
@@ -85,11 +91,20 @@ if ! layout=$(python -m launchers.layout "$NNODES" "$NPROC_PER_NODE" "$PRISM_CON
 fi
 echo "train_job: $layout"
 
-# Where rank 0 says how training ended (one file per job and restart; see the contract above).
+# Where rank 0 says how training ended (one file per job, requeue and restart; see the contract above), and
+# the steps this job's earlier failures were at (launchers/recovery.py: the restart bound and crash loops).
 state_dir=${PRISM_JOB_STATE_DIR:-$PRISM_ROOT/runs/.slurm-jobs}
 mkdir -p "$state_dir"
-export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.exit"
-rm -f "$PRISM_EXIT_FILE"
+failures="$state_dir/$SLURM_JOB_ID.failures"
+
+# NCCL's flight recorder: the last collectives of every rank, dumped when one times out (read it with
+# `torchfrtrace DIR`, docs/cluster.md), next to the per-rank Python stacks in <checkpoint_dir>/diagnostics.
+if diagnostics=$(python -m launchers.recovery --diagnostics "$PRISM_CONFIG" "${overrides[@]}"); then
+  mkdir -p "$diagnostics"
+  export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$diagnostics/nccl_trace_rank_}
+fi
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}  # the older name too
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 
 # --- the pre-timeout signal path ------------------------------------------------------------------------
 # `#SBATCH --signal=B:USR1@LEAD` signals only this shell. bash runs traps only between commands, so the
@@ -106,47 +121,66 @@ forward_stop() {
 }
 trap forward_stop USR1 USR2 TERM
 
-srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
-  torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-  -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
-step_pid=$!
+attempt=0
 while :; do
-  wait "$step_pid"
-  rc=$?
-  kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
-done
+  export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$attempt.exit"
+  rm -f "$PRISM_EXIT_FILE"
+  srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
+    torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$attempt" \
+    -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
+  step_pid=$!
+  while :; do
+    wait "$step_pid"
+    rc=$?
+    kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
+  done
 
-exit_record=$(cat "$PRISM_EXIT_FILE" 2>/dev/null)
-rm -f "$PRISM_EXIT_FILE"
-case "$exit_record" in
-  finished*)
-    if [ "$rc" -ne 0 ]; then
-      echo "train_job: a stop signal arrived after the final checkpoint (step exit $rc); nothing to resume"
-    fi
+  exit_record=$(cat "$PRISM_EXIT_FILE" 2>/dev/null)
+  rm -f "$PRISM_EXIT_FILE"
+  case "$exit_record" in
+    finished*)
+      if [ "$rc" -ne 0 ]; then
+        echo "train_job: a stop signal arrived after the final checkpoint (step exit $rc); nothing to resume"
+      fi
+      echo "train_job: training finished (token budget done)"
+      rm -f "$failures"
+      exit 0
+      ;;
+    signal*)
+      if [ "${PRISM_REQUEUE:-1}" = 1 ]; then
+        echo "train_job: checkpointed at step ${exit_record#signal } after a stop signal (step exit $rc);" \
+          "requeueing job $SLURM_JOB_ID to resume from latest"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 3
+      fi
+      echo "train_job: checkpointed after a stop signal (step exit $rc); PRISM_REQUEUE=0, not requeueing"
+      exit 3
+      ;;
+  esac
+  if [ "$rc" -eq 0 ]; then  # a trainer without the exit record (older checkout)
     echo "train_job: training finished (token budget done)"
     exit 0
-    ;;
-  signal*)
-    if [ "${PRISM_REQUEUE:-1}" = 1 ]; then
-      echo "train_job: checkpointed at step ${exit_record#signal } after a stop signal (step exit $rc);" \
-        "requeueing job $SLURM_JOB_ID to resume from latest"
-      scontrol requeue "$SLURM_JOB_ID"
-      exit 3
-    fi
-    echo "train_job: checkpointed after a stop signal (step exit $rc); PRISM_REQUEUE=0, not requeueing"
+  fi
+  if [ "${PRISM_REQUEUE:-1}" = 1 ] && [ "$signaled" = 1 ] && [ "$rc" -ne 4 ] && [ "$rc" -ne 2 ]; then
+    echo "train_job: stopped by a signal before the trainer could checkpoint (exit $rc); requeueing job" \
+      "$SLURM_JOB_ID to resume from the last checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
     exit 3
-    ;;
-esac
-if [ "$rc" -eq 0 ]; then  # a trainer without the exit record (older checkout)
-  echo "train_job: training finished (token budget done)"
-  exit 0
-fi
-if [ "${PRISM_REQUEUE:-1}" = 1 ] && [ "$signaled" = 1 ] && [ "$rc" -ne 4 ] && [ "$rc" -ne 2 ]; then
-  echo "train_job: stopped by a signal before the trainer could checkpoint (exit $rc); requeueing job" \
-    "$SLURM_JOB_ID to resume from the last checkpoint"
-  scontrol requeue "$SLURM_JOB_ID"
-  exit 3
-fi
-echo "train_job: training failed (exit $rc${exit_record:+, trainer: $exit_record}); not requeueing" >&2
-exit "$rc"
+  fi
+  case "$exit_record" in
+    nonfinite* | bad_input*)  # retrying cannot help: a person decides (the trainer said how, above)
+      echo "train_job: training failed (exit $rc, trainer: $exit_record); not retrying" >&2
+      exit "$rc"
+      ;;
+  esac
+  # A crash, an infrastructure fault or a killed step: restart from latest in this allocation, within bounds.
+  verdict=$(python -m launchers.recovery "$failures" "$rc" "$exit_record" "$PRISM_CONFIG" "${overrides[@]}")
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "$verdict" >&2
+    exit "$status"
+  fi
+  echo "$verdict"
+  attempt=$((attempt + 1))
+done

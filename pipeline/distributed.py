@@ -92,10 +92,11 @@ def placement(device: str, env: Mapping[str, str], visible_gpus: int) -> Placeme
     )
 
 
-def init_distributed(device: str = "auto") -> None:
+def init_distributed(device: str = "auto", timeout_s: float = 1800) -> None:
     """torch.distributed from torchrun's env, else a world of 1; backend and GPU from ``placement``.
 
-    ``device`` is train.device ('auto' | 'cpu' | 'cuda'): 'cpu' on a GPU host means gloo and CPU tensors."""
+    ``device`` is train.device ('auto' | 'cpu' | 'cuda'): 'cpu' on a GPU host means gloo and CPU tensors.
+    ``timeout_s``: how long a collective waits (the trainer passes parallel.init_timeout_s; HangWatch lowers it)."""
     import torch
     import torch.distributed as dist
 
@@ -109,7 +110,7 @@ def init_distributed(device: str = "auto") -> None:
     else:
         torch.cuda.set_device(torch.device(where.device))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(where.backend, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(where.backend, timeout=datetime.timedelta(seconds=timeout_s))
     else:  # one process: an in-process store, no MASTER_ADDR needed
         dist.init_process_group(where.backend, store=dist.HashStore(), rank=0, world_size=1)
 
@@ -202,6 +203,61 @@ class StopSignal:
     def restore(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+# --- hangs: short collective timeouts after the first step, every rank's stack before the job dies -------
+def diagnostics_dir(cfg: Config) -> Any:
+    """Where a run keeps what explains a hang or crash: per-rank Python stacks, NCCL flight records."""
+    return cfg.checkpoint_dir / "diagnostics"
+
+
+class HangWatch:
+    """Per rank: faulthandler writes this rank's Python stacks (all threads) to ``folder/stacks-rankR.txt``
+    when a step runs past 90 % of the collective timeout (a timer re-armed at every step, so the ranks still
+    alive write theirs before the timed-out collective ends the job) and on a fatal signal (NCCL's abort on a
+    timeout: SIGABRT). After the first step of this start every group's timeout drops from
+    parallel.init_timeout_s to parallel.timeout_s."""
+
+    def __init__(self, folder: Any, rank: int, init_timeout_s: float, timeout_s: float, step: int) -> None:
+        import faulthandler
+        import time
+
+        from pipeline import compat
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"stacks-rank{rank}.txt"
+        self.file = open(self.path, "a")  # noqa: SIM115 - faulthandler writes to its fd until close()
+        self.file.write(f"=== start at step {step}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
+        self.was_enabled = faulthandler.is_enabled()
+        faulthandler.enable(file=self.file, all_threads=True)
+        self.timeout_s, self.after_first_s = init_timeout_s, timeout_s
+        compat.set_collective_timeout(init_timeout_s)  # megatron's groups were made with their own 30 min
+        self.arm()
+
+    def arm(self) -> None:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(0.9 * self.timeout_s, repeat=False, file=self.file, exit=False)
+
+    def step_done(self) -> None:
+        """After every step: the first lowers the timeouts; each re-arms the stack timer."""
+        if self.timeout_s != self.after_first_s:
+            from pipeline import compat
+
+            compat.set_collective_timeout(self.after_first_s)
+            self.timeout_s = self.after_first_s
+        self.arm()
+
+    def close(self) -> None:
+        import faulthandler
+        import sys
+
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.disable()
+        if self.was_enabled:  # e.g. pytest's, to stderr
+            faulthandler.enable(file=sys.stderr)
+        self.file.close()
 
 
 # --- where the ranks run, and how training ended (read by launchers/train_job.sh) ------------------------

@@ -2,16 +2,20 @@
 decide a requeue by them, and the shell job body repeats the numbers it cannot import)."""
 
 EXIT_FINISHED = 0  # the token budget is done (prism train), or the verb did what it was asked
+# prism train: an unexpected exception (Python's own status, with its traceback; exit record `crashed STEP`): the
+# job script restarts it from `latest` within PRISM_MAX_RESTARTS and stops a crash loop (launchers/recovery.py)
+EXIT_CRASHED = 1
 EXIT_BAD_INPUT = 2  # one line naming the cause and the fix, no traceback
 EXIT_STOPPED = 3  # prism train: a stop signal (SIGTERM/SIGUSR1/SIGUSR2/SIGINT), checkpointed: requeue to resume
 EXIT_NONFINITE = 4  # prism train: NaN/inf loss, diagnostics written, the last good checkpoint kept: no requeue
 # prism train: the infrastructure failed, not the input (checkpoint writes failing in a row, a lost rank, a
-# collective timeout): the job script restarts or requeues it, within its bounds, from the last intact tag
+# collective timeout; exit record `infra STEP`): the job script restarts it within its bounds from `latest`
 EXIT_INFRA = 5
 
 TRAIN_EXIT_CODES = (
-    f"{EXIT_FINISHED} done, {EXIT_BAD_INPUT} bad input, {EXIT_STOPPED} stopped by a signal after a checkpoint "
-    f"(requeue), {EXIT_NONFINITE} NaN/inf loss, {EXIT_INFRA} infrastructure fault (retried)"
+    f"{EXIT_FINISHED} done, {EXIT_CRASHED} crashed (the job script restarts it), {EXIT_BAD_INPUT} bad input "
+    f"(never retried), {EXIT_STOPPED} stopped by a signal after a checkpoint (requeue), {EXIT_NONFINITE} NaN/inf "
+    f"loss (not retried), {EXIT_INFRA} infrastructure fault (restarted)"
 )
 
 

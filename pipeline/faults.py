@@ -1,5 +1,6 @@
 """Fault injection for tests, through ``PRISM_FAULT_*`` environment variables: with none set, every hook
-here returns at once and no code path changes.
+here returns at once (``before_step`` is a function that does nothing, chosen at import) and no code path
+changes.
 
 - ``PRISM_FAULT_CHECKPOINT_WRITE=enospc:3,4`` fails the background write of the checkpoints of steps 3 and 4
   with "no space left on device" after their first file is on disk (a partial tag, as a full disk leaves);
@@ -9,6 +10,11 @@ here returns at once and no code path changes.
   step 5 by 1000 (a spike), on every rank.
 - ``PRISM_FAULT_SLOW_RANK=1:0.3`` makes global rank 1 sleep 0.3 s in each micro-batch's data fetch (a slow
   rank, for the straggler metrics).
+- ``PRISM_FAULT_CRASH=STEP[:RANK]``: rank RANK (default: the last) raises at the start of step STEP (1-based).
+- ``PRISM_FAULT_HANG=STEP[:RANK]``: that rank hangs there instead, in a sleep no handled signal ends (a peer
+  lost to a collective).
+- ``PRISM_FAULT_ONCE=PATH``: crash or hang only while PATH does not exist, and create it on firing, so the
+  run restarted after the fault passes the step (unset: every start fires).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import errno
 import os
 import threading
 import time
+from pathlib import Path
 
 
 def _steps(spec: str) -> set[int]:
@@ -53,3 +60,38 @@ def loss_factor(step: int) -> float | None:
 def slow_rank_seconds(rank: int) -> float:
     """PRISM_FAULT_SLOW_RANK's delay for global rank ``rank``; 0 for the others or when unset."""
     return float(_pairs("PRISM_FAULT_SLOW_RANK").get(str(rank), 0.0))
+
+
+class InjectedFault(RuntimeError):
+    """The crash PRISM_FAULT_CRASH asked for."""
+
+
+def _fires(step: int, spec: str) -> bool:
+    at, _, rank = spec.partition(":")
+    me = int(os.environ.get("RANK", 0))
+    wanted = int(rank) if rank else int(os.environ.get("WORLD_SIZE", 1)) - 1
+    if step != int(at) or me != wanted:
+        return False
+    once = os.environ.get("PRISM_FAULT_ONCE")
+    if once:
+        if Path(once).exists():
+            return False
+        Path(once).touch()
+    return True
+
+
+def _inject(step: int) -> None:
+    if (crash := os.environ.get("PRISM_FAULT_CRASH")) and _fires(step, crash):
+        raise InjectedFault(f"PRISM_FAULT_CRASH: injected crash at step {step} on rank {os.environ.get('RANK', 0)}")
+    if (hang := os.environ.get("PRISM_FAULT_HANG")) and _fires(step, hang):
+        print(f"PRISM_FAULT_HANG: rank {os.environ.get('RANK', 0)} hangs at step {step}", flush=True)
+        while True:  # a handled stop signal (SIGTERM/USR1) returns into the loop: only SIGKILL ends it
+            time.sleep(3600)
+
+
+def _nothing(step: int) -> None:
+    pass
+
+
+# Called by the training loop at the start of every step (1-based), on every rank.
+before_step = _inject if os.environ.get("PRISM_FAULT_CRASH") or os.environ.get("PRISM_FAULT_HANG") else _nothing

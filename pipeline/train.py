@@ -37,8 +37,10 @@ from pipeline.config import Config
 from pipeline.console import Pace, Progress, duration
 from pipeline.dataset import DataError, read_shard
 from pipeline.distributed import (
+    HangWatch,
     StopSignal,
     deepspeed_device_args,
+    diagnostics_dir,
     dp_sum,
     init_distributed,
     init_model_parallel,
@@ -495,6 +497,7 @@ class Run:
     skipper: Any = None  # pipeline.skipping.StepSkipper
     clock: Any = None  # pipeline.stragglers.RankClock
     node_metrics: Any = None  # pipeline.tracking.system.NodeMetrics on the first rank of nodes but rank 0's
+    watch: HangWatch | None = None  # per-rank stacks on a hang, the collective timeouts
     train_loss: float = float("nan")  # of the last sync step
     val_loss: float | None = None  # of the last validation
     evals: Any = None  # pipeline.eval.in_run.DownstreamEval when train.eval_every is set
@@ -502,11 +505,14 @@ class Run:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
+    from pipeline import compat
+    from pipeline.config import ConfigError
     from pipeline.model.gpt import check_spec
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
-    init_distributed(cfg.train.device)  # the resume checks share the checkpoint hashing out over the ranks
+    # the resume checks share the checkpoint hashing out over the ranks
+    init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
     resume = checkpoint.resume_point(cfg)
     if resume.finished:
         return already_finished(cfg, resume)
@@ -514,12 +520,21 @@ def train(cfg: Config) -> dict[str, Any]:
     try:
         exit_code = loop(run)
         run.saver.close()  # the final or stop-signal save (or an earlier one still in flight) commits first
-    except InfrastructureFault as fault:
+    except ConfigError:
+        raise  # bad input met mid-run (a damaged shard): exit 2, recorded by the CLI, never retried
+    except Exception as error:  # a lost peer or timed-out collective is the machine's fault, not ours
+        if not (isinstance(error, InfrastructureFault) or compat.collective_failed(error)):
+            record_exit("crashed", run.state.step)  # the job script restarts it, and stops a crash loop
+            raise
         say(
-            f"prism train: error: infrastructure fault at step {run.state.step}: {fault}; exiting with "
-            f"{EXIT_INFRA} (the job script retries it from the last intact checkpoint)"
+            f"prism train: error: infrastructure fault at step {run.state.step}: {str(error).splitlines()[0]}; "
+            f"exiting with {EXIT_INFRA} (the job script retries it from the last intact checkpoint; this rank's "
+            f"stacks, if it hung, in {run.watch.path.parent if run.watch else cfg.checkpoint_dir})"
         )
         exit_code = EXIT_INFRA
+    finally:
+        if run.watch is not None:
+            run.watch.close()
     return finish(run, exit_code)
 
 
@@ -543,6 +558,8 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     layout = cfg.steps(dp_size)
     total, warmup, grad_accum = layout["total"], layout["warmup"], layout["grad_accum"]
     epochs = check_data_before_start(cfg, manifest, dp_size)  # refuses or verifies: before the model
+    p = cfg.parallel  # from here on a hang leaves every rank's stack (and the groups get init_timeout_s)
+    watch = HangWatch(diagnostics_dir(cfg), dist.get_rank(), p.init_timeout_s, p.timeout_s, resume.step)
     loader = data.ShardLoader(
         cfg,
         dp_rank=dp_rank,
@@ -585,7 +602,21 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     tracker.log_params(
         {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": budget.tokens_per_epoch(manifest, dp_size)}
     )
-    run = Run(cfg, engine, optimizer, loader, val_rows, tracker, StopSignal(), state, device, total, warmup, grad_accum)
+    run = Run(
+        cfg,
+        engine,
+        optimizer,
+        loader,
+        val_rows,
+        tracker,
+        StopSignal(),
+        state,
+        device,
+        total,
+        warmup,
+        grad_accum,
+        watch=watch,
+    )
     run.saver = Saver(engine, cfg, device)
     run.skipper, run.clock = skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
     run.evals = evals
@@ -627,6 +658,7 @@ def loop(run: Run) -> int:
         eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
     )
     while state.step < run.total_steps:
+        faults.before_step(state.step + 1)  # PRISM_FAULT_* in recovery tests; nothing otherwise
         lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
         fault = faults.loss_factor(state.step + 1)  # None unless a test sets PRISM_FAULT_LOSS
         result = train_step(
@@ -642,6 +674,7 @@ def loop(run: Run) -> int:
             run.clock,
         )
         state.step += 1
+        run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
         stop = stop_check()
@@ -711,15 +744,11 @@ def downstream_eval(run: Run) -> None:
 
 def finish(run: Run, exit_code: int) -> dict[str, Any]:
     """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
-    import torch.distributed as dist
-
-    from pipeline.distributed import write_exit_record
-
     reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite", EXIT_INFRA: "infra"}[
         exit_code
     ]
-    if dist.get_rank() == 0:  # before restoring the signal handlers: a late stop signal must not kill us first
-        write_exit_record(reason, run.state.step)
+    # before restoring the signal handlers: a late stop signal must not kill us first
+    record_exit(reason, run.state.step)
     run.stopper.restore()
     run.loader.close()
     if run.node_metrics is not None:
@@ -769,6 +798,16 @@ def resume_notes(resume: checkpoint.Resume) -> list[str]:
         f"prism train: warning: {resume.damaged[0]}; resuming from {resume.tag}, the newest intact checkpoint"
         + (f" ({more} more damaged)" if more else "")
     ]
+
+
+def record_exit(reason: str, step: int) -> None:
+    """The exit record for launchers/train_job.sh, from global rank 0 only."""
+    import torch.distributed as dist
+
+    from pipeline.distributed import write_exit_record
+
+    if dist.get_rank() == 0:
+        write_exit_record(reason, step)
 
 
 def say(text: str) -> None:

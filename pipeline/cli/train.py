@@ -6,6 +6,7 @@ Its exit codes (launchers act on them) are pipeline.exit_codes'.
 from __future__ import annotations
 
 import argparse
+import os
 
 from pipeline.exit_codes import TRAIN_EXIT_CODES
 
@@ -25,14 +26,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
-    from pipeline.distributed import setup_threads
+    from pipeline.config import ConfigError
+    from pipeline.distributed import setup_threads, write_exit_record
+    from pipeline.schedule import ScheduleError
     from pipeline.train import train
 
-    cfg = config.load(args.config, args.overrides)
-    print(f"prism train: {cfg.run_name}: loading torch/megatron/deepspeed and building the model ...", flush=True)
-    setup_threads()
     try:
+        cfg = config.load(args.config, args.overrides)
+        print(f"prism train: {cfg.run_name}: loading torch/megatron/deepspeed and building the model ...", flush=True)
+        setup_threads()
         summary = train(cfg)
+    except (ConfigError, ScheduleError):  # exit 2: launchers/train_job.sh must not retry it
+        if os.environ.get("RANK", "0") == "0":
+            write_exit_record("bad_input", 0)
+        raise
     finally:
         import torch.distributed as dist
 

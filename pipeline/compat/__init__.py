@@ -5,6 +5,7 @@
 - pipeline.compat.deepspeed: the adapters deepspeed.initialize needs, and the private DeepSpeed code Prism
   copies (the sync-free optimizer step, checkpoint files staged for a background write) behind an exact version check;
 - pipeline.compat.optim: the fused torch AdamW's found_inf, which skips a step on the device.
+- pipeline.compat.torch_distributed: process-group timeouts changed after init, failed collectives recognised.
 
 Callers write ``from pipeline import compat; compat.X``: the names below are that interface.
 """
@@ -33,6 +34,7 @@ from pipeline.compat.megatron import (
     use_cpu_device,
 )
 from pipeline.compat.optim import SkipStepAdamW
+from pipeline.compat.torch_distributed import collective_failed, set_collective_timeout
 
 __all__ = [
     "DEEPSPEED_MIRRORED",
@@ -41,6 +43,7 @@ __all__ = [
     "StagingCheckpointEngine",
     "SkipStepAdamW",
     "apply_cpu_shims",
+    "collective_failed",
     "cuda_available",
     "import_deepspeed",
     "megatron_on_cpu",
@@ -50,6 +53,7 @@ __all__ = [
     "pre_step_grad_norm",
     "remove_host_syncs",
     "self_attention_extra_kwargs",
+    "set_collective_timeout",
     "set_model_parallel_rng_states",
     "stage_checkpoint_writes",
     "sync_free_bf16_step",

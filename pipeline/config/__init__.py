@@ -79,6 +79,10 @@ class ParallelConfig:
     zero_stage: int = 1
     # Opt-in: layers whose head count is not a multiple of TP run replicated on every TP rank.
     replicate_indivisible_layers: bool = False
+    # Seconds a collective may wait before the job gives it up as hung (exit 5, restarted): generous until the
+    # first step is done (start-up, resume loading, first compilation), then short (docs/cluster.md: why 300).
+    init_timeout_s: float = 600.0
+    timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)

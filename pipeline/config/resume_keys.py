@@ -29,6 +29,8 @@ EXECUTION_ONLY_KEYS = (
     "data.slurm",
     "data.allow_repeat",  # permission to read past one epoch: the order of the data does not change
     "data.verify_on_start",
+    "parallel.init_timeout_s",  # how long a collective may wait, not what it computes
+    "parallel.timeout_s",
     # how the same math runs (kernels, fusions): the weights and their names do not change
     "model.attention_backend",
     "model.fusions",

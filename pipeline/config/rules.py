@@ -65,6 +65,8 @@ RANGES: dict[str, Range] = {
     "model.init_std": POSITIVE,
     "parallel.tp": AT_LEAST_1,
     "parallel.zero_stage": Range(0, 3),
+    "parallel.init_timeout_s": Range(1),  # seconds; below 1 every collective would be a hang
+    "parallel.timeout_s": Range(1),
     "train.batch_tokens": AT_LEAST_1,
     "train.micro_batch_size": AT_LEAST_1,
     "train.lr": POSITIVE,  # lr=0 would train nothing, silently

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-EXIT_FILE = "exit-record.txt"  # what `prism train` writes into $PRISM_EXIT_FILE: "finished|signal|nonfinite STEP"
+# what `prism train` writes into $PRISM_EXIT_FILE: "finished|signal|nonfinite|infra|crashed STEP" or "bad_input 0"
+EXIT_FILE = "exit-record.txt"
 
 
 def read_journal(rec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,8 +48,9 @@ def val_losses(rec: dict[str, Any], uri: str) -> tuple[dict[int, float], str]:
 
 
 def outcome(rec: dict[str, Any]) -> tuple[str, int]:
-    """How an ended run ended: (finished | signal | nonfinite | crashed, last step), from its exit record,
-    else its journal's last finish record."""
+    """How an ended run ended: (finished | signal | nonfinite | infra | crashed | bad_input, last step), from its
+    exit record, else from its journal's last finish record: `failed` for FAILED (a NaN/inf or an infrastructure
+    fault, the journal does not say which), `crashed` when there is none."""
     exit_file = Path(rec["folder"]) / EXIT_FILE
     if exit_file.is_file():
         reason, _, step = exit_file.read_text().strip().partition(" ")
@@ -56,7 +58,7 @@ def outcome(rec: dict[str, Any]) -> tuple[str, int]:
     steps = [int(r["step"]) for r in read_journal(rec) if r.get("op") == "metrics"]
     finish = [r for r in read_journal(rec) if r.get("op") == "finish"]
     status = finish[-1]["status"] if finish else "CRASHED"
-    reason = {"FINISHED": "finished", "KILLED": "signal", "FAILED": "nonfinite"}.get(status, "crashed")
+    reason = {"FINISHED": "finished", "KILLED": "signal", "FAILED": "failed"}.get(status, "crashed")
     return reason, max(steps, default=0)
 
 

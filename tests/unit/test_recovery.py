@@ -1,0 +1,73 @@
+"""The restart decision of launchers/train_job.sh (launchers/recovery.py) and the fault injection the recovery
+tests drive it with (pipeline/faults.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from launchers.recovery import decide
+from pipeline.exit_codes import EXIT_CRASHED, EXIT_INFRA
+
+WHERE = "/runs/x/checkpoints/diagnostics"
+
+
+def test_a_crash_restarts_until_the_bound_and_a_crash_loop_stops_at_once():
+    first = decide("crashed 7", 1, [], latest_step=6, max_restarts=3, where=WHERE)
+    assert first.restart and first.step == 7 and "restart 1 of 3" in first.line and "step 6" in first.line
+    # progress since: another step fails, restart 2
+    assert decide("infra 12", 1, [7], 10, 3, WHERE).restart
+    # the same step again after a restart: a crash loop, one line naming the step and the diagnostics
+    loop = decide("infra 12", 1, [7, 12], 10, 3, WHERE)
+    assert not loop.restart and loop.exit_status == EXIT_INFRA
+    assert "crash loop: step 12" in loop.line and WHERE in loop.line and "\n" not in loop.line
+    # different steps each time: the bound stops it
+    bound = decide("crashed 20", 1, [7, 12, 15], 18, 3, WHERE)
+    assert not bound.restart and bound.exit_status == EXIT_CRASHED and "all 3 restarts" in bound.line
+    assert WHERE in bound.line
+    assert not decide("crashed 3", 1, [], 2, 0, WHERE).restart  # PRISM_MAX_RESTARTS=0: never
+
+
+def test_a_step_killed_without_an_exit_record_counts_at_the_latest_checkpoint():
+    lost = decide("", 137, [], latest_step=40, max_restarts=3, where=WHERE)
+    assert lost.restart and lost.step == 40 and "without an exit record" in lost.line
+    again = decide("", 137, [40], 40, 3, WHERE)  # no checkpoint since: no progress, a loop
+    assert not again.restart and again.exit_status == 137 and "crash loop: step 40" in again.line
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    def load(**env):
+        for key in ("PRISM_FAULT_CRASH", "PRISM_FAULT_HANG", "PRISM_FAULT_ONCE"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        import pipeline.faults
+
+        return importlib.reload(pipeline.faults)
+
+    yield load
+    monkeypatch.delenv("PRISM_FAULT_CRASH", raising=False)
+    monkeypatch.delenv("PRISM_FAULT_ONCE", raising=False)
+    import pipeline.faults
+
+    importlib.reload(pipeline.faults)
+
+
+def test_faults_fire_only_where_asked_and_once_with_a_marker(faults, monkeypatch, tmp_path):
+    unset = faults()
+    assert unset.before_step is unset._nothing  # unset: the loop calls a function that does nothing
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    f = faults(PRISM_FAULT_CRASH="3")  # default rank: the last
+    f.before_step(2)
+    with pytest.raises(f.InjectedFault, match="step 3 on rank 1"):
+        f.before_step(3)
+    f = faults(PRISM_FAULT_CRASH="3:0")
+    f.before_step(3)  # rank 0's fault, we are rank 1
+    f = faults(PRISM_FAULT_CRASH="3", PRISM_FAULT_ONCE=str(tmp_path / "fired"))
+    with pytest.raises(f.InjectedFault):
+        f.before_step(3)
+    f.before_step(3)  # the restarted run passes the step
+    assert (tmp_path / "fired").exists()
