@@ -79,9 +79,9 @@ class ParallelConfig:
     zero_stage: int = 1
     # Opt-in: layers whose head count is not a multiple of TP run replicated on every TP rank.
     replicate_indivisible_layers: bool = False
-    # Seconds a collective may wait before the job gives it up as hung (exit 5, restarted): generous until the
-    # first step is done (start-up, resume loading, first compilation), then short (docs/cluster.md: why 300).
+    # Seconds a collective may wait until the first step of a start is done (start-up, resume, first compilation).
     init_timeout_s: float = 600.0
+    # Seconds a collective may wait after that; then the job ends as hung (exit 5, restarted; docs/cluster.md).
     timeout_s: float = 300.0
 
 
