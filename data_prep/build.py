@@ -10,6 +10,7 @@ with the same ``tasks`` (datatrove's completions are per rank).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from data_prep.corpus import build_embedded_corpus, train_bpe_tokenizer
+from data_prep.corpus import build_embedded_corpora, train_bpe_tokenizer
 from data_prep.manifest import PREP, STATE, WriteManifest, data_hash, first_difference, read_json, write_manifest
 from data_prep.tokenize_to_shards import TokenizeToShards
 from pipeline.atomic import folder_write_problem, write_atomic, write_failure_cause
@@ -30,6 +31,10 @@ from pipeline.dataset import MANIFEST, DataError, dtype_for_vocab, sha256_file
 
 EMBEDDED_CORPUS_BYTES = 8_000_000  # ~2M tokens: enough for the tiny presets, built in ~20 s
 EMBEDDED_CORPUS_FILES = 8
+# A validation set's embedded corpus (data.val_sets with an input that does not exist yet): the text right after
+# the training corpus, ~80k tokens of the tiny BPE, a few validation passes' worth.
+HELDOUT_CORPUS_BYTES = 300_000
+HELDOUT_CORPUS_FILES = 2
 INPUT_GLOBS = {"parquet": "**/*.parquet", "embedded": "**/*.parquet", "jsonl": "**/*.jsonl*"}
 
 
@@ -293,15 +298,24 @@ def build_manifest_executor(cfg: Config, shards_executor, logs_dir: Path):
 
 # --- entry point ------------------------------------------------------------------------------------------
 def prepare_inputs(cfg: Config) -> str:
-    """Embedded format: build the corpus and train the tokenizer when missing. Returns the tokenizer path."""
+    """Embedded format: build the corpus (and the held-out corpora of data.val_sets, in the same walk) and
+    train the tokenizer when missing. Returns the tokenizer path."""
     d = cfg.data
     if d.input_format == "embedded":
-        if not Path(d.input).exists():
+        held_out = sorted({s.input for s in d.val_sets.values() if s.input and not Path(s.input).exists()})
+        if not Path(d.input).exists() or held_out:
+            missing = [p for p in (d.input, *held_out) if not Path(p).exists()]
             where, key = Path(d.input).parent, "data.input (or run.output_dir)"
-            check_writable(where, key)
-            print(f"prism prepare: building the embedded corpus (text installed with Python) -> {d.input}", flush=True)
+            for path in missing:
+                check_writable(Path(path).parent, key)
+            print(
+                f"prism prepare: building the embedded corpus (text installed with Python) -> {', '.join(missing)}",
+                flush=True,
+            )
+            slices = [(None if Path(d.input).exists() else d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)]
+            slices += [(path, HELDOUT_CORPUS_BYTES, HELDOUT_CORPUS_FILES) for path in held_out]
             with write_errors("building the embedded corpus", where, "no corpus was written", key):
-                build_embedded_corpus(d.input, EMBEDDED_CORPUS_BYTES, EMBEDDED_CORPUS_FILES)
+                build_embedded_corpora(slices)
         if d.tokenizer.endswith(".json") and not Path(d.tokenizer).exists():  # a path, not a Hub name
             where, key = Path(d.tokenizer).parent, "data.tokenizer (or run.output_dir)"
             check_writable(where, key)
@@ -315,11 +329,31 @@ def prepare_inputs(cfg: Config) -> str:
 
 
 def prepare(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
-    """Build (or resume) ``cfg.data.dataset_dir``; returns the path of its manifest.json.
+    """Build (or resume) ``cfg.data.dataset_dir``, then each validation set of data.val_sets that names an
+    input; returns the path of the training data's manifest.json.
 
     With ``data.executor=slurm`` this submits the job array (+ a dependent manifest job) and returns the path the
     manifest will have once those jobs finished.
     """
+    manifest = prepare_dataset(cfg, overwrite, quiet)
+    for name, spec in sorted(cfg.data.val_sets.items()):
+        if spec.input is not None:
+            if not quiet:
+                print(f"prism prepare: validation set data.val_sets.{name} -> {spec.dataset_dir}", flush=True)
+            prepare_dataset(val_set_config(cfg, name), overwrite, quiet)
+    return manifest
+
+
+def val_set_config(cfg: Config, name: str) -> Config:
+    """What a validation set's dataset is prepared with: the run's tokenizer, seq_len, packing and executor,
+    the set's own folder and input, every document to the val split, no validation sets of its own."""
+    spec = cfg.data.val_sets[name]
+    data = dataclasses.replace(cfg.data, dataset_dir=spec.dataset_dir, input=spec.input, val_fraction=1.0, val_sets={})
+    return dataclasses.replace(cfg, data=data)
+
+
+def prepare_dataset(cfg: Config, overwrite: bool = False, quiet: bool = False) -> Path:
+    """Build (or resume) ``cfg.data.dataset_dir`` alone; returns the path of its manifest.json."""
     d = cfg.data
     if d.val_samples_per_shard < 1 or d.tasks < 1:
         raise DataError("data.val_samples_per_shard and data.tasks must be >= 1")

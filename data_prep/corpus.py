@@ -86,17 +86,32 @@ def build_embedded_corpus(out_dir: str | Path, max_bytes: int = 8_000_000, num_f
 
     The folder appears atomically: files are written to a temporary sibling folder that is renamed last.
     """
+    return build_embedded_corpora([(out_dir, max_bytes, num_files)])[0]
+
+
+def build_embedded_corpora(slices: list[tuple[str | Path | None, int, int]]) -> list[Path | None]:
+    """Consecutive slices of the embedded text in one walk, each ``(out_dir, max_bytes, num_files)`` written
+    as build_embedded_corpus writes one (an out_dir of None: the slice is skipped). So a held-out corpus (a
+    validation set's, data.val_sets) is the text right after the training corpus: none of its documents are
+    trained on, and building both costs one walk."""
+    documents = iter_documents()
+    written: list[Path | None] = []
+    for out_dir, max_bytes, num_files in slices:
+        docs: list[tuple[str, str]] = []
+        total = 0
+        for source, text in documents:
+            docs.append((source, text))
+            total += len(text.encode("utf-8"))
+            if total >= max_bytes:
+                break
+        written.append(None if out_dir is None else _write_corpus(Path(out_dir), docs, total, num_files))
+    return written
+
+
+def _write_corpus(out_dir: Path, docs: list[tuple[str, str]], total: int, num_files: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out_dir = Path(out_dir)
-    docs: list[tuple[str, str]] = []
-    total = 0
-    for source, text in iter_documents():
-        docs.append((source, text))
-        total += len(text.encode("utf-8"))
-        if total >= max_bytes:
-            break
     # Interleave sources (a stable hash of the name, not the sorted walk): otherwise each file, shard and
     # training batch holds one package's docstrings and the model sees a different dialect every step.
     docs.sort(key=lambda doc: hashlib.sha256(doc[0].encode()).digest())

@@ -36,19 +36,48 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
     return manifest
 
 
-def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
-    """Refuse a dataset whose tokenizer, vocab or sequence length disagree with the model config."""
-    where = Path(cfg.data.dataset_dir) / MANIFEST
+def checked_val_manifests(cfg: Config, own: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest of every validation set (Config.validation_sets, keyed by metric), each checked like the
+    training data: present, of the run's tokenizer and model.seq_len, holding its split. ``own`` is the run's
+    checked manifest (the default set's). A problem is one line naming the set's key."""
+    out = {}
+    for vs in cfg.validation_sets():
+        if vs.name is None:
+            out[vs.metric] = own
+            continue
+        try:
+            manifest = read_manifest(vs.dataset_dir)
+            check_compatible(manifest, cfg, vs.dataset_dir, f"re-prepare {vs.key} with the run's")
+        except DataError as e:
+            raise DataError(f"{vs.key}.dataset_dir: {e}") from None
+        if not manifest["splits"][vs.split]["shards"]:
+            raise DataError(f"{vs.key}.split: the {vs.split} split of {vs.dataset_dir} is empty; choose the other")
+        out[vs.metric] = manifest
+    return out
+
+
+def check_compatible(
+    manifest: dict[str, Any], cfg: Config, dataset_dir: str | Path | None = None, fix: str | None = None
+) -> None:
+    """Refuse a dataset whose tokenizer, vocab or sequence length disagree with the model config.
+    ``dataset_dir`` (default data.dataset_dir): where it is; ``fix``: the advice instead of setting the key
+    (a validation set must match the run, not the run it)."""
+    where = Path(dataset_dir or cfg.data.dataset_dir) / MANIFEST
     tok = manifest["tokenizer"]
     if manifest["seq_len"] != cfg.model.seq_len:
         raise DataError(
             f"{where}: dataset seq_len={manifest['seq_len']} but model.seq_len={cfg.model.seq_len}; "
-            f"set model.seq_len={manifest['seq_len']} or re-prepare the data"
+            + (f"{fix} model.seq_len" if fix else f"set model.seq_len={manifest['seq_len']} or re-prepare the data")
         )
     if tok["vocab_size"] > cfg.model.vocab_size:  # smaller is fine: the embedding has unused rows
         raise DataError(
             f"{where}: dataset tokenizer vocab_size={tok['vocab_size']} exceeds model.vocab_size="
-            f"{cfg.model.vocab_size}; set model.vocab_size={tok['vocab_size']} or re-prepare with the right tokenizer"
+            f"{cfg.model.vocab_size}; "
+            + (
+                f"{fix} data.tokenizer"
+                if fix
+                else f"set model.vocab_size={tok['vocab_size']} or re-prepare with the right tokenizer"
+            )
         )
     local = Path(cfg.data.tokenizer)
     if local.is_file():
@@ -56,15 +85,15 @@ def check_compatible(manifest: dict[str, Any], cfg: Config) -> None:
         if sha != tok["sha256"]:
             raise DataError(
                 f"{where}: dataset was tokenized with a different tokenizer (sha256 {tok['sha256'][:12]}) than "
-                f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); point data.tokenizer at the "
-                f"dataset's tokenizer or re-prepare"
+                f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); "
+                + (f"{fix} data.tokenizer" if fix else "point data.tokenizer at the dataset's tokenizer or re-prepare")
             )
     else:  # a Hub name: data prep recorded the name it was given
         used = manifest["config"].get("data.tokenizer", tok["name_or_path"])
         if used != cfg.data.tokenizer:
             raise DataError(
                 f"{where}: dataset tokenizer {used!r} differs from data.tokenizer={cfg.data.tokenizer!r}; "
-                f"use the same tokenizer or re-prepare"
+                + (f"{fix} data.tokenizer" if fix else "use the same tokenizer or re-prepare")
             )
 
 
@@ -102,6 +131,11 @@ class ShardLoader:
         self.samples_per_shard = int(info["samples_per_shard"])
         self.seed, self.dp_rank, self.dp_size, self.batch_size = cfg.run.seed, dp_rank, dp_size, batch_size
         self.shards_per_rank = len(self.shards) // dp_size
+        if not self.shards:
+            raise DataError(
+                f"{self.dataset_dir / MANIFEST}: the {split} split is empty (data.val_fraction=1 puts every "
+                f"document in val: a validation set's dataset); train on a dataset prepared with a lower one"
+            )
         if self.shards_per_rank == 0:
             raise DataError(
                 f"{self.dataset_dir / MANIFEST}: the {split} split has {len(self.shards)} shards, fewer than the "
@@ -351,17 +385,19 @@ def pinned(batch: np.ndarray) -> np.ndarray:
     return torch.from_numpy(batch).pin_memory().numpy()
 
 
-def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None) -> np.ndarray:
-    """The fixed validation set: the first ``train.val_tokens // seq_len`` rows of the val split, in manifest
-    and tar order (no shuffle), so both arms and every DP size see the same tokens. ``[n, seq_len+1]``."""
-    dataset_dir = Path(cfg.data.dataset_dir)
+def load_val_tokens(cfg: Config, manifest: dict[str, Any] | None = None, vs: Any = None) -> np.ndarray:
+    """A fixed validation set (``vs``, one of Config.validation_sets; default the run's own val split): its
+    first ``tokens // seq_len`` rows, in manifest and tar order (no shuffle), so both arms and every DP size
+    see the same tokens. ``[n, seq_len+1]``. ``manifest``: the set's, checked by the caller."""
+    vs = vs or cfg.validation_sets()[0]
+    dataset_dir = Path(vs.dataset_dir)
     manifest = manifest if manifest is not None else checked_manifest(cfg)  # given: checked by the caller
-    want = max(1, cfg.train.val_tokens // cfg.model.seq_len)
+    want = max(1, vs.tokens // cfg.model.seq_len)
     rows = []
-    for row in iter_rows(dataset_dir, "val", manifest):
+    for row in iter_rows(dataset_dir, vs.split, manifest):
         rows.append(row)
         if len(rows) == want:
             break
     if not rows:
-        raise DataError(f"{dataset_dir / MANIFEST}: the val split is empty; prepare with data.val_fraction > 0")
+        raise DataError(f"{dataset_dir / MANIFEST}: the {vs.split} split is empty; prepare with data.val_fraction > 0")
     return np.stack(rows)  # fewer rows than asked for: the whole split

@@ -48,6 +48,7 @@ from pipeline.distributed import (
 )
 from pipeline.eval_catalog import eval_tokens
 from pipeline.exit_codes import EXIT_FINISHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED, InfrastructureFault
+from pipeline.metric_names import val_loss_metric
 
 
 # --- schedule and optimizer -----------------------------------------------------------------------------
@@ -362,14 +363,15 @@ def log_step(
     state: TrainState,
     total_steps: int,
     result: StepResult,
-    val_loss: float | None,
+    val_losses: dict[str, float],
     device: str,
     pace: Pace | None = None,
     stragglers: dict[str, float] | None = None,
 ) -> None:
     """Metrics to the tracker and, on rank 0, one console line; its tok/s and ETA are ``pace``'s (the
     training rate over the steps since the last line, console.Progress); ``stragglers``: the slowest rank's
-    numbers (pipeline.stragglers), named on the line when it is notably slower."""
+    numbers (pipeline.stragglers), named on the line when it is notably slower. ``val_losses``: metric -> loss of
+    each validation set scored at this step (none: not a validation step)."""
     import torch.distributed as dist
 
     from pipeline.stragglers import straggler_note
@@ -389,8 +391,7 @@ def log_step(
         "perf/memory_gb": memory_gb(device),
         "train/skipped_steps": result.skipped_total,
     }
-    if val_loss is not None:
-        metrics["val/loss"] = val_loss
+    metrics.update(val_losses)
     metrics.update(utilisation)
     metrics.update(stragglers or {})
     tracker.log_metrics(metrics, state.step)
@@ -401,7 +402,7 @@ def log_step(
             timing = f" | {duration(pace.elapsed)} elapsed, ETA {duration(pace.eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
-            + (f" | val {val_loss:.4f}" if val_loss is not None else "")
+            + "".join(f" | {name.removesuffix('/loss')} {v:.4f}" for name, v in val_losses.items())
             + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
             + timing
             + (f" | mfu {100 * utilisation['perf/mfu']:.1f}%" if utilisation else "")
@@ -485,7 +486,7 @@ class Run:
     engine: Any
     optimizer: Any
     loader: Any
-    val_rows: np.ndarray
+    val_sets: dict[str, np.ndarray]  # metric (val/loss, val/<name>/loss) -> the set's fixed rows
     tracker: Any
     stopper: StopSignal
     state: TrainState
@@ -552,6 +553,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     from pipeline.tracking.system import other_node_metrics
 
     manifest = data.checked_manifest(cfg)  # the one compatibility check of this start
+    val_manifests = data.checked_val_manifests(cfg, manifest)  # and every validation set's, before step 1
     device = train_device(cfg)
     init_model_parallel(cfg.parallel.tp, cfg.run.seed, device=cfg.train.device)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -568,7 +570,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         manifest=manifest,
         pin_memory=device == "cuda",
     )
-    val_rows = data.load_val_tokens(cfg, manifest)
+    val_sets = {vs.metric: data.load_val_tokens(cfg, val_manifests[vs.metric], vs) for vs in cfg.validation_sets()}
     evals = downstream_evals(cfg)  # before the model: a missing eval set or tokenizer costs nothing
     model = build_model(cfg)  # on the GPU already when there is one
     # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a
@@ -607,7 +609,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         engine,
         optimizer,
         loader,
-        val_rows,
+        val_sets,
         tracker,
         StopSignal(),
         state,
@@ -653,7 +655,7 @@ def loop(run: Run) -> int:
         t.batch_tokens,
         validation_steps=[s for s, a in planned.items() if a.validate],
         checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
-        validation_tokens=run.val_rows.shape[0] * cfg.model.seq_len,
+        validation_tokens=sum(rows.shape[0] for rows in run.val_sets.values()) * cfg.model.seq_len,
         eval_steps=[s for s, a in planned.items() if a.eval],
         eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
     )
@@ -697,14 +699,17 @@ def loop(run: Run) -> int:
             return EXIT_NONFINITE
         run.train_loss = result.loss
 
-        val_loss = None
+        val_losses = {}
         if actions.validate:
-            with progress.aside("validation"):
-                val_loss = run.val_loss = evaluate(run.engine, run.val_rows, t.micro_batch_size, run.device)
+            with progress.aside("validation"):  # every set: its time stays out of tokens/s
+                val_losses = {
+                    m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()
+                }
+            run.val_loss = val_losses[val_loss_metric(None)]  # the run's own val split: the summary's val loss
         if actions.log:
             stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
             pace = progress.pace(state.step)
-            log_step(cfg, run.tracker, state, run.total_steps, result, val_loss, run.device, pace, stragglers)
+            log_step(cfg, run.tracker, state, run.total_steps, result, val_losses, run.device, pace, stragglers)
         if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
             with progress.aside("eval"):
                 downstream_eval(run)

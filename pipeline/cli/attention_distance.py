@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sequences", type=int, default=16, help="N sequences averaged per checkpoint")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
     p.add_argument("--out", help="output folder (default <run_dir>/analysis of the first checkpoint)")
+    p.add_argument(
+        "--step", type=int, help="each run's checkpoint at this step (a milestone: both arms at equal tokens)"
+    )
     p.set_defaults(func=run)
 
 
@@ -33,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = [a for a in args.checkpoints + args.compare if "=" in a]
     paths = [a for a in args.checkpoints if "=" not in a]
     others = [a for a in args.compare if "=" not in a]
+    if args.step is not None:
+        from pipeline.checkpoint import resolve_tag_dir
+
+        paths, others = ([str(resolve_tag_dir(p, args.step)) for p in group] for group in (paths, others))
     result = measure_checkpoints(paths, others, args.split, args.sequences, args.out, args.device, overrides)
     for r in result["checkpoints"]:
         print(f"{r['name']} ({r['meta']['split']}, {r['meta']['sequences']} sequences, T={r['meta']['seq_len']})")

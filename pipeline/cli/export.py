@@ -13,13 +13,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output folder (default <run_dir>/hf/<tag>)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="weight dtype (default: the run's train.precision)")
     p.add_argument("--force", action="store_true", help="replace an --out folder that exists and is not empty")
+    p.add_argument("--step", type=int, help="the run's checkpoint at this step (a milestone, say), not `latest`")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.checkpoint import resolve_tag_dir
     from pipeline.export.hf import export
 
-    report = export(args.checkpoint, args.out, args.dtype, args.force, args.overrides)
+    path = args.checkpoint if args.step is None else resolve_tag_dir(args.checkpoint, args.step)
+    report = export(path, args.out, args.dtype, args.force, args.overrides)
     remote = ", trust_remote_code=True" if report["architecture"] == "prism" else ""
     print(
         f"wrote {report['out']}: {report['architecture']}, {report['parameters']:,} parameters ({report['dtype']}), "

@@ -90,7 +90,7 @@ RANGES: dict[str, Range] = {
     "train.eval_every": NON_NEGATIVE,  # 0 = no downstream evals during the run
     "train.eval_limit": AT_LEAST_1,  # when set; None = whole validation sets
     "data.limit": Range(1, also=(-1,)),
-    "data.val_fraction": FRACTION,
+    "data.val_fraction": Range(0, 1),  # 1: every document to val (a validation set's dataset, data.val_sets)
     "data.sequences_per_sample": AT_LEAST_1,
     "data.samples_per_shard": AT_LEAST_1,
     "data.val_samples_per_shard": AT_LEAST_1,
@@ -104,6 +104,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep_every_steps": NON_NEGATIVE,  # 0: no milestones
     "checkpoint.every_minutes": POSITIVE,
     "checkpoint.max_failed_saves": AT_LEAST_1,
+    "data.val_sets{}.tokens": AT_LEAST_1,  # {}: in every entry of the mapping; null: train.val_tokens
 }
 # Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
 # (the run folder is <output_dir>/<arm>-<scale>-s<seed>), so no separators and no "..".
@@ -127,13 +128,23 @@ def _value(cfg: Config, key: str) -> Any:
     return value
 
 
+def _values(cfg: Config, key: str) -> list[tuple[str, Any]]:
+    """(dotted name, value) of a RANGES key: one, each item of a list (``key[]``), or the key in each entry
+    of a mapping (``section.mapping{}.key``)."""
+    if "{}." in key:
+        head, _, tail = key.partition("{}.")
+        return [(f"{head}.{name}.{tail}", getattr(entry, tail)) for name, entry in _value(cfg, head).items()]
+    value = _value(cfg, key)
+    name = key.removesuffix("[]")
+    return [(name, v) for v in value] if key.endswith("[]") else [(name, value)]
+
+
 def check_ranges(cfg: Config) -> None:
     """Every key of RANGES, NON_EMPTY_KEYS and NAME_KEYS; one line naming the first key out of range."""
     for key, allowed in RANGES.items():
-        value = _value(cfg, key)
-        for v in value if key.endswith("[]") else (value,):
+        for name, v in _values(cfg, key):
             if v is not None and not allowed.allows(v):
-                raise ConfigError(f"{cfg.source}: {key.removesuffix('[]')}: {v!r} must be {allowed.describe()}")
+                raise ConfigError(f"{cfg.source}: {name}: {v!r} must be {allowed.describe()}")
     for key in NON_EMPTY_KEYS:
         if _value(cfg, key) is not None and not _value(cfg, key).strip():  # None: an optional path left unset
             raise ConfigError(f"{cfg.source}: {key}: is empty; give a path or name")
@@ -199,7 +210,7 @@ def check_milestones(cfg: Config) -> None:
 
 
 def check_val_sets(cfg: Config) -> None:
-    """data.val_sets: each name becomes a metric (val/<name>/loss), so a plain name; a positive token count."""
+    """data.val_sets: each name becomes a metric (val/<name>/loss), so a plain name; a folder to read."""
     for name, spec in cfg.data.val_sets.items():
         key = f"data.val_sets.{name}"
         if not VAL_SET_NAME.fullmatch(name):
@@ -209,8 +220,6 @@ def check_val_sets(cfg: Config) -> None:
             )
         if not spec.dataset_dir.strip():
             raise ConfigError(f"{cfg.source}: {key}.dataset_dir: is empty; give a prepared dataset folder")
-        if spec.tokens is not None and spec.tokens < 1:
-            raise ConfigError(f"{cfg.source}: {key}.tokens: {spec.tokens} must be >= 1 (or null: train.val_tokens)")
 
 
 def check_eval_tasks(cfg: Config) -> None:

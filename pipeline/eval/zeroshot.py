@@ -144,13 +144,59 @@ def evaluate_checkpoint(
         "seconds": round(time.time() - started, 1),
         "tasks": scores,
     }
-    path = Path(out) if out else cfg.run_dir / "eval" / f"{info.tag_dir.name}-zeroshot.json"
+    path = Path(out) if out else report_path(cfg, info.tag_dir)
     write_json(report, path)
     metrics = score_metrics(scores)
     report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, [("eval", path)])
     write_json(report, path)
     report["json"] = str(path)
     return report
+
+
+def report_path(cfg: Any, tag_dir: Path) -> Path:
+    """Where a checkpoint's scores go by default: <run_dir>/eval/<tag>-zeroshot.json."""
+    return cfg.run_dir / "eval" / f"{Path(tag_dir).name}-zeroshot.json"
+
+
+def scored(path: Path, tasks: list[str], limit: int | None, source: str) -> bool:
+    """Whether the report at ``path`` already holds every task, scored with this limit and source."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    have = report.get("tasks") or {}
+    return report.get("limit") == limit and all(t in have and have[t].get("source") == source for t in tasks)
+
+
+def evaluate_milestones(
+    run_dir: str | Path,
+    tasks: list[str],
+    limit: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    source: str = "offline",
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Score every milestone checkpoint of a run that has no report with these tasks yet (idempotent: a second
+    call scores nothing), each logged to the run's MLflow run at its step like `prism eval` on one tag.
+    Returns {"scored": [report, ...], "skipped": [tag, ...]}."""
+    from pipeline.checkpoint import checkpoint_folder, milestone_tags
+    from pipeline.inference import load_config
+
+    check_tasks(tasks, source)
+    folder = checkpoint_folder(run_dir)
+    tags = milestone_tags(folder)
+    if not tags:
+        raise ConfigError(f"{folder}: no milestone checkpoints; train with checkpoint.keep_every_steps=N to keep them")
+    done: dict[str, Any] = {"scored": [], "skipped": []}
+    for tag in tags:
+        if scored(report_path(load_config(folder / tag, overrides), folder / tag), tasks, limit, source):
+            done["skipped"].append(tag)
+        else:
+            done["scored"].append(
+                evaluate_checkpoint(folder / tag, tasks, limit, None, batch_size, device, source, overrides)
+            )
+    return done
 
 
 def format_table(report: dict[str, Any]) -> str:

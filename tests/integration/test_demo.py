@@ -33,6 +33,8 @@ def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(ti
         f"data.input={tiny_data.corpus_dir}",  # the session's corpus and tokenizer; the dataset is built here
         f"data.tokenizer={tiny_data.tokenizer}",
         f"data.dataset_dir={dataset_dir}",
+        f"data.val_sets.heldout.input={tiny_data.heldout_corpus}",  # the second validation set, built here too
+        f"data.val_sets.heldout.dataset_dir={tmp_path / 'heldout'}",
         "model.seq_len=128",
         "train.batch_tokens=1024",
         "train.micro_batch_size=8",
@@ -74,7 +76,7 @@ def test_demo_trains_both_arms_compares_them_and_skips_finished_arms_on_rerun(ti
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     rows = [json.loads(x) for x in (alone / "uniform-tiny-s1234" / "checkpoints" / "metrics.jsonl").open()]
     uniform = next(r.info.run_id for r in runs if r.data.tags["arm"] == "uniform")
-    for key in ("train/loss", "val/loss", "train/grad_norm"):
+    for key in ("train/loss", "val/loss", "val/heldout/loss", "train/grad_norm"):  # two validation curves
         demo_values = {m.step: m.value for m in client.get_metric_history(uniform, key)}
         assert demo_values and demo_values == {r["step"]: r[key] for r in rows if key in r}, key
 

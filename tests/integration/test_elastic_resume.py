@@ -27,7 +27,17 @@ import subprocess
 import pytest
 
 from pipeline import checkpoint, config, data
-from tests.integration.test_train import PRESET, ROOT, checkpoint_dir, command, env, metrics, overrides, run
+from tests.integration.test_train import (
+    PRESET,
+    ROOT,
+    checkpoint_dir,
+    command,
+    env,
+    metrics,
+    overrides,
+    run,
+    validation_steps,
+)
 
 STEP3, STEP6 = "step-0000003", "step-0000006"
 MICRO, ROWS_PER_STEP = 2, 8  # SMALL: micro_batch_size 2, 1024 tokens per step at seq_len 128
@@ -86,6 +96,9 @@ def test_dp2_checkpoint_resumes_at_another_dp_size(dp2, tiny_data, tmp_path, new
     assert f"world {new_dp} = TP 1 x DP {new_dp}" in log.stdout
     got = metrics(tmp_path / "run")
     assert_continues(got, ref, loss=1e-4, grad_norm=1e-3, val=1e-4)
+    # both validation sets: step 3 before the change, step 6 after it, none repeated or skipped
+    assert validation_steps(tmp_path / "run") == {"val/loss": [3, 6], "val/heldout/loss": [3, 6]}
+    assert got[6]["val/heldout/loss"] == pytest.approx(ref[6]["val/heldout/loss"], rel=1e-4)
     # the data order the trainer followed is the loader's mapping, rank by rank
     _, info = checkpoint.read_weights(ckpt / STEP6)
     saved = [r["loader"] for r in info.client_state["prism"]["ranks"]]

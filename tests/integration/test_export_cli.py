@@ -238,6 +238,18 @@ def test_tp2_checkpoint_exports_whole(tiny_checkpoints, tmp_path):
     got = val_loss_of_export(tmp_path / "hf", tag)
     print(f"TP=2: trainer val loss {logged:.6f}, export {got:.6f}")
     assert got == pytest.approx(logged, rel=1e-5)
+    # prism eval loads the same TP=2 checkpoint into one process (the ranks' weights joined): the trainer's
+    # loss on the val rows again, and --milestones scores the run's milestone at this TP size too
+    from pipeline import data
+    from pipeline.inference import load_checkpoint
+    from pipeline.model import lm_loss
+
+    cfg, model, _ = load_checkpoint(tag, device="cpu")
+    rows = data.load_val_tokens(cfg, data.read_manifest(cfg.data.dataset_dir)).astype("int64")
+    with torch.no_grad():
+        assert lm_loss(model, torch.from_numpy(rows)).item() == pytest.approx(logged, rel=1e-5)
+    scored = prism("eval", str(tag.parent.parent), "--milestones", "--tasks", "piqa", "--limit", "4")
+    assert scored.returncode == 0 and "scored 1 milestone(s) (steps 2)" in scored.stdout, scored.stderr[-3000:]
 
     (tag / "mp_rank_01_model_states.pt").unlink()
     assert "mp_rank_01" in error_line(prism("export", str(tag), "--out", str(tmp_path / "hf2")), "export")

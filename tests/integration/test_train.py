@@ -87,6 +87,12 @@ def checkpoint_dir(out: Path) -> Path:
     return out / "prism-tiny-s1234" / "checkpoints"
 
 
+def validation_steps(out: Path) -> dict[str, list[int]]:
+    """Per validation metric, the steps the journal logged it at, every entry (a repeated step shows twice)."""
+    rows = [json.loads(line) for line in (checkpoint_dir(out) / "metrics.jsonl").read_text().splitlines()]
+    return {m: [r["step"] for r in rows if m in r] for m in ("val/loss", "val/heldout/loss")}
+
+
 def metrics(out: Path) -> dict[int, dict]:
     """step -> metrics; a step logged twice (before a kill and after the resume) keeps the later entry."""
     rows = [json.loads(line) for line in (checkpoint_dir(out) / "metrics.jsonl").read_text().splitlines()]
@@ -272,6 +278,8 @@ def test_signal_checkpoints_at_step_boundary_and_exits_3(reference, tiny_data, t
     assert (checkpoint_dir(tmp_path) / "latest").read_text() == f"step-{stopped:07d}"
     run(ov)
     got = metrics(tmp_path)
+    # every validation set at every train.val_every-th step and the last, once each across the stop
+    assert validation_steps(tmp_path) == {"val/loss": [3, 6], "val/heldout/loss": [3, 6]}, stopped
     assert [got[s]["train/loss"] for s in range(stopped + 1, STEPS + 1)] == [
         ref[s]["train/loss"] for s in range(stopped + 1, STEPS + 1)
     ]

@@ -3,6 +3,7 @@ the key, exit 2 through the CLI, before anything is built."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ BAD = [
     ("data.eos_token=''", "data.eos_token"),
     ("data.limit=0", "data.limit"),
     ("data.limit=-2", "data.limit"),
-    ("data.val_fraction=1", "data.val_fraction"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
     ("data.sequences_per_sample=0", "data.sequences_per_sample"),
     ("data.samples_per_shard=0", "data.samples_per_shard"),
     ("data.val_samples_per_shard=0", "data.val_samples_per_shard"),
@@ -88,6 +89,8 @@ BAD = [
     ("train.eval_limit=0", "train.eval_limit"),
     ("train.eval_tasks=[piqa,mmlu]", "train.eval_tasks"),  # an unknown task
     ("train.eval_tasks=[]", "train.eval_every"),  # on a preset with eval_every set: no tasks to score
+    ("checkpoint.keep_every_steps=-1", "checkpoint.keep_every_steps"),
+    ("data.val_sets.heldout.tokens=0", "data.val_sets.heldout.tokens"),
 ]
 
 
@@ -107,6 +110,7 @@ def test_every_numeric_key_has_a_range():
         k for k, v in config.flatten(cfg.to_dict()).items() if isinstance(v, int | float) and not isinstance(v, bool)
     }
     numeric |= {"train.peak_flops", "tracking.milestones", "checkpoint.every_minutes"}  # None / a list in this preset
+    numeric = {re.sub(r"^data\.val_sets\.[^.]+\.", "data.val_sets{}.", k) for k in numeric}  # per entry
     ranged = {k.removesuffix("[]") for k in config.RANGES}
     assert numeric - ranged == set()
 
