@@ -121,8 +121,9 @@ def allowed_text(key: str) -> str:
     from pipeline.config.rules import NAME_KEYS, NON_EMPTY_KEYS, RANGES
 
     parts = []
-    if key in RANGES:
-        parts.append(RANGES[key].describe())
+    ranged = key.replace(".<name>.", "{}.")  # a mapping entry's key: data.val_sets{}.tokens
+    if ranged in RANGES:
+        parts.append(RANGES[ranged].describe())
     if key + "[]" in RANGES:
         parts.append("each " + RANGES[key + "[]"].describe())
     if key in NON_EMPTY_KEYS:
