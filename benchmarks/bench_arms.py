@@ -234,6 +234,7 @@ def main() -> None:
         f"data.dataset_dir={data_dir}",
         f"data.tokenizer={SYNTH_TOKENIZER}",
         "data.verify_on_start=false",
+        "data.val_sets={}",  # the synthetic dataset's own val split is the one validation set
         "tracking.enabled=false",
         "train.log_every=1",  # one metrics row per step; a log step reads back once per step
         f"train.batch_tokens={batch_tokens}",

@@ -47,7 +47,10 @@ def checked_val_manifests(cfg: Config, own: dict[str, Any]) -> dict[str, dict[st
             continue
         try:
             manifest = read_manifest(vs.dataset_dir)
-            check_compatible(manifest, cfg, vs.dataset_dir, f"re-prepare {vs.key} with the run's")
+            # the run's tokenizer file was hashed once for ``own``: its manifest holds that hash now
+            check_compatible(
+                manifest, cfg, vs.dataset_dir, f"re-prepare {vs.key} with the run's", own["tokenizer"]["sha256"]
+            )
         except DataError as e:
             raise DataError(f"{vs.key}.dataset_dir: {e}") from None
         if not manifest["splits"][vs.split]["shards"]:
@@ -57,11 +60,16 @@ def checked_val_manifests(cfg: Config, own: dict[str, Any]) -> dict[str, dict[st
 
 
 def check_compatible(
-    manifest: dict[str, Any], cfg: Config, dataset_dir: str | Path | None = None, fix: str | None = None
+    manifest: dict[str, Any],
+    cfg: Config,
+    dataset_dir: str | Path | None = None,
+    fix: str | None = None,
+    tokenizer_sha: str | None = None,
 ) -> None:
     """Refuse a dataset whose tokenizer, vocab or sequence length disagree with the model config.
     ``dataset_dir`` (default data.dataset_dir): where it is; ``fix``: the advice instead of setting the key
-    (a validation set must match the run, not the run it)."""
+    (a validation set must match the run, not the run it); ``tokenizer_sha``: data.tokenizer's sha256 when
+    already known (one hash per start)."""
     where = Path(dataset_dir or cfg.data.dataset_dir) / MANIFEST
     tok = manifest["tokenizer"]
     if manifest["seq_len"] != cfg.model.seq_len:
@@ -81,7 +89,7 @@ def check_compatible(
         )
     local = Path(cfg.data.tokenizer)
     if local.is_file():
-        sha = sha256_file(local)
+        sha = tokenizer_sha or sha256_file(local)
         if sha != tok["sha256"]:
             raise DataError(
                 f"{where}: dataset was tokenized with a different tokenizer (sha256 {tok['sha256'][:12]}) than "

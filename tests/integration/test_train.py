@@ -256,8 +256,10 @@ def test_the_loop_does_what_step_actions_says(watched_run):
 
     cfg, seen = watched_run
     actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
-    for action in ("sync", "validate", "log", "checkpoint"):
+    for action in ("sync", "log", "checkpoint"):
         assert seen[action] == [s for s, a in actions.items() if getattr(a, action)], action
+    sets = len(cfg.validation_sets())  # a validation step scores every set: the run's val split and heldout
+    assert sets == 2 and seen["validate"] == [s for s, a in actions.items() if a.validate for _ in range(sets)]
     assert seen["sync"] == [1, 2, 3, 4, 6, 7]  # step 5 is none of them: its loss is read back at step 6
 
 
