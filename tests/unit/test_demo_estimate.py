@@ -38,7 +38,8 @@ def test_estimate_is_measured_from_the_first_steps(at_once, monkeypatch, capsys)
         ]
     feed(timing, monkeypatch, lines)
     out = capsys.readouterr().out
-    val_share = cfg.train.val_tokens / (3 * cfg.train.val_every * cfg.train.batch_tokens)  # forward ~ 1/3 a step
+    val_tokens = cfg.train.val_tokens + cfg.data.val_sets["heldout"].tokens  # both of the preset's sets
+    val_share = val_tokens / (3 * cfg.train.val_every * cfg.train.batch_tokens)  # forward ~ 1/3 a step
     if at_once == 2:  # side by side: the slower arm (2 s a step) decides
         left, now = (total - 10) * 2.0 * (1 + val_share), 44.0
     else:  # in turn: uniform's rest, then prism from launch (uniform's start-up of 20 s + its steps)
