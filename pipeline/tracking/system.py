@@ -3,8 +3,9 @@
 Each node's first rank runs one (global rank 0 through its MlflowTracker, the others from the trainer), so
 a multi-node run has system/<node>/cpu_utilization_percentage, .../system_memory_usage_megabytes, disk and
 network for every node, and on GPU nodes MLflow's GPU series (system/<node>/gpu_0_utilization_percentage,
-gpu_0_memory_usage_megabytes, gpu_0_power_usage_watts, ...) when pynvml (the nvidia-ml-py package) is
-installed; without it MLflow leaves the GPU series out and nothing else changes.
+gpu_0_memory_usage_megabytes, gpu_0_power_usage_watts, ...) through pynvml (the `gpu` extra, which
+`make setup` installs where nvidia-smi is found); without it MLflow leaves the GPU series out and nothing
+else changes.
 
 Training never waits for it: the monitor is built (one request to the server) and restarted, when its thread
 quits on a failed request, by a daemon thread of its own, at most once per RETRY_AFTER_S.

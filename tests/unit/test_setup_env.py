@@ -84,3 +84,16 @@ def test_dry_run_prints_the_commands_and_creates_nothing(tmp_path):
     lines = out.stdout.splitlines()
     assert f"dry-run: python3 -m venv {venv}" in lines
     assert f"dry-run: pip install --no-build-isolation {DEEPSPEED_REQ}" in lines
+
+
+def test_the_gpu_extra_goes_in_only_where_the_nvidia_driver_is(tmp_path):
+    venv, log = stand_in_venv(tmp_path, "cuda")
+    bin_dir = tmp_path / "driver-bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    plain_path = os.environ["PATH"]
+    assert setup_env(venv, PATH=plain_path).returncode == 0
+    assert setup_env(venv, PATH=f"{bin_dir}:{plain_path}").returncode == 0
+    installs = [line for line in log.read_text().splitlines() if line.startswith("install -q -e ")]
+    assert installs == ["install -q -e .[dev]", "install -q -e .[dev,gpu]"], installs
