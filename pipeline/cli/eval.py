@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from pipeline.checkpoint import resolve_tag_dir
 from pipeline.config import ConfigError
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to score whole validation sets)")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.out and Path(args.out).is_dir():  # refused before the model loads, not after the scoring
+        raise ConfigError(f"--out {args.out} is a folder; give the report's file path, e.g. --out {args.out}/eval.json")
     if args.milestones:
         return run_milestones(args, tasks)
     path = args.checkpoint if args.step is None else resolve_tag_dir(args.checkpoint, args.step)

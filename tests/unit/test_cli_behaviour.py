@@ -89,3 +89,9 @@ def test_demo_finds_its_presets_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert find_presets() == ROOT / "configs"
     assert main(["demo", "--preset-dir", str(tmp_path), "run.output_dir=" + str(tmp_path)]) == 2
+
+
+def test_eval_out_naming_a_folder_is_one_line_before_anything_loads(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "no-such-checkpoint"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "is a folder" in err[0] and "eval.json" in err[0], err
