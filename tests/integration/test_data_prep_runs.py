@@ -56,7 +56,8 @@ RUNNER = (
 
 def test_kill_then_rerun_equals_a_clean_run(tiny_data, tmp_path):
     # Small shards and one worker: task 1 writes many shards after task 0 completed, so the kill lands mid-task.
-    common = ["data.samples_per_shard=1", "data.val_samples_per_shard=1", "data.workers=1"]
+    # No held-out set: prepare would build it with these shard sizes too, into the fixture's folder.
+    common = ["data.samples_per_shard=1", "data.val_samples_per_shard=1", "data.workers=1", "data.val_sets={}"]
     killed_dir = tmp_path / "killed"
     args = [
         sys.executable,
@@ -125,6 +126,7 @@ def test_jsonl_input(tiny_data, tmp_path):
         "data.tasks=1",
         f"data.dataset_dir={tmp_path / 'out'}",
         "data.samples_per_shard=4",
+        "data.val_sets={}",  # the held-out set's input is parquet; this run reads JSONL
     )
     m = json.loads(prepare(cfg, quiet=True).read_text())
     tok = Tokenizer.from_file(str(tiny_data.tokenizer))

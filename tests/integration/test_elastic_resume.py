@@ -40,13 +40,15 @@ from tests.integration.test_train import (
 )
 
 STEP3, STEP6 = "step-0000003", "step-0000006"
+# a downstream eval at every checkpoint of the DP=2 run and of its resumes, the cheapest that lm-eval scores
+EVALS = ("train.eval_every=3", "train.eval_tasks=[arc_easy]", "train.eval_limit=4")
 MICRO, ROWS_PER_STEP = 2, 8  # SMALL: micro_batch_size 2, 1024 tokens per step at seq_len 128
 
 
 @pytest.fixture(scope="module")
 def dp2(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp2")
-    run(overrides(tiny_data, out), nproc=2)
+    run(overrides(tiny_data, out, *EVALS), nproc=2)
     return out, metrics(out)
 
 
@@ -91,13 +93,16 @@ def simulated_positions(cfg: config.Config, new_dp: int) -> list[dict]:
 @pytest.mark.parametrize("new_dp", [1, 4])
 def test_dp2_checkpoint_resumes_at_another_dp_size(dp2, tiny_data, tmp_path, new_dp):
     _, ref = dp2
-    ov, log, ckpt = resumed_copy(dp2, tiny_data, tmp_path, new_dp)
+    ov, log, ckpt = resumed_copy(dp2, tiny_data, tmp_path, new_dp, *EVALS)
     assert f"resumed from {STEP3}" in log.stdout and "saved at data-parallel size 2, continuing at" in log.stdout
     assert f"world {new_dp} = TP 1 x DP {new_dp}" in log.stdout
     got = metrics(tmp_path / "run")
     assert_continues(got, ref, loss=1e-4, grad_norm=1e-3, val=1e-4)
     # both validation sets: step 3 before the change, step 6 after it, none repeated or skipped
     assert validation_steps(tmp_path / "run") == {"val/loss": [3, 6], "val/heldout/loss": [3, 6]}
+    # and the downstream eval: step 3 in the DP=2 run, step 6 after the change, once each
+    rows = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/arc_easy/acc" in r] == [3, 6]
     assert got[6]["val/heldout/loss"] == pytest.approx(ref[6]["val/heldout/loss"], rel=1e-4)
     # the data order the trainer followed is the loader's mapping, rank by rank
     _, info = checkpoint.read_weights(ckpt / STEP6)
