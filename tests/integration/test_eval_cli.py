@@ -16,6 +16,12 @@ def test_prism_eval_offline_scores_near_chance_and_logs_to_the_run(tiny_checkpoi
     from pipeline.tracking.journal import Journal
 
     out = tmp_path / "eval.json"
+    # The fixture's run is shared: other tests (the documented `prism eval` block) may have logged evals to it
+    # already, so this checks what this call adds to each history.
+    run_id = Journal(tiny_checkpoints.prism).state()["run_id"]
+    client = MlflowClient(tiny_checkpoints.tracking_uri("prism"))
+    names = [f"eval/{task}/{m}" for task in PAPER_TASKS for m in ("acc", "acc_norm")]
+    before = {name: len(client.get_metric_history(run_id, name)) for name in names}
     args = ["eval", str(tiny_checkpoints.prism), "--limit", "20", "--batch-size", "8", "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -37,15 +43,14 @@ def test_prism_eval_offline_scores_near_chance_and_logs_to_the_run(tiny_checkpoi
     mean_chance = sum(s["chance"] for s in report["tasks"].values()) / 4
     assert abs(mean_acc - mean_chance) < 0.15
 
-    # Scores went to the checkpoint's own MLflow run, at the checkpoint's step.
-    run_id = Journal(tiny_checkpoints.prism).state()["run_id"]
+    # Scores went to the checkpoint's own MLflow run, at the checkpoint's step: one new entry per score.
     assert report["mlflow"] == {"logged": True, "uri": report["mlflow"]["uri"], "run_id": run_id}
-    client = MlflowClient(tiny_checkpoints.tracking_uri("prism"))
     for task, s in report["tasks"].items():
         for m in ("acc", "acc_norm"):
             history = client.get_metric_history(run_id, f"eval/{task}/{m}")
+            added = sorted(history, key=lambda h: h.timestamp)[before[f"eval/{task}/{m}"] :]
             if m in s:
-                assert [(h.step, h.value) for h in history] == [(2, pytest.approx(s[m]))]
+                assert [(h.step, h.value) for h in added] == [(2, pytest.approx(s[m]))]
             else:
                 assert history == []
     assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/eval.json"]
