@@ -94,9 +94,13 @@ def validation_steps(out: Path) -> dict[str, list[int]]:
 
 
 def metrics(out: Path) -> dict[int, dict]:
-    """step -> metrics; a step logged twice (before a kill and after the resume) keeps the later entry."""
+    """step -> metrics, the step's rows joined (an eval logs a row of its own); a step logged twice (before a
+    kill and after the resume) keeps the later values."""
     rows = [json.loads(line) for line in (checkpoint_dir(out) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}
+    joined: dict[int, dict] = {}
+    for r in rows:
+        joined.setdefault(r["step"], {}).update(r)
+    return joined
 
 
 def kill_after_checkpoint(ov: list[str], nproc: int, out: Path) -> None:
