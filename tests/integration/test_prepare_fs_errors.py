@@ -49,6 +49,7 @@ def build_args(tiny_data, tmp_path: Path, dataset_dir: Path) -> list[str]:
         str(TINY),
         *tiny_data.overrides,
         "data.limit=150",
+        "data.val_sets={}",  # else prepare rebuilds the fixture's held-out set with this limit, and is refused
         f"data.dataset_dir={dataset_dir}",
         f"run.output_dir={tmp_path / 'runs'}",
     ]
