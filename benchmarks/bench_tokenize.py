@@ -244,6 +244,7 @@ def main() -> None:
     if args.config is None:
         corpus = embedded_corpus(args.corpus_mb or (6 if args.quick else 24))
         overrides = [f"data.input={corpus}", "data.input_format=parquet", f"data.tokenizer={bpe_tokenizer(corpus)}"]
+        overrides.append("data.val_sets={}")  # the tiny preset's held-out set would be a second, untimed build
     try:
         cfg = config.load(cfg_path, overrides)
         tokenizer_path = prepare_inputs(cfg)  # the embedded format builds its corpus / tokenizer when missing

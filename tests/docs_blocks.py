@@ -1,7 +1,7 @@
 """The shell blocks of README.md and docs/*.md, and the checks the docs tests apply to them.
 
 The convention (stated for writers in docs/README.md, "Writing these docs"):
-- ```sh          runs on a CPU machine: tests/integration/test_docs.py runs it with `bash -e` and asserts exit 0;
+- ```sh          runs on a CPU machine: tests/integration/test_docs_run.py runs it with `bash -e` and asserts exit 0;
 - ```sh cluster  needs a Slurm cluster or a GPU, ```sh long takes minutes on a CPU (`make demo`): not run, each
                  command is checked to parse (`check_command`; tests/unit/test_docs.py);
 - a ```text block right after a ```sh block is its output: each of its lines (but `...`) must be found in a line

@@ -8,7 +8,7 @@ so nothing shown is pasted by hand. A region is the text between
 
 and NAME picks its renderer in ``REGIONS``: the configuration reference (from the schema, ``RANGES``, the
 name rules and the resume key sets) or a command and its output. A command's output is shown as a ```sh
-block followed by a ```text block, which the docs test then reruns and checks (tests/integration/test_docs.py),
+block followed by a ```text block, which the docs test then reruns and checks (tests/integration/test_docs_run.py),
 so a transcript that drifts from the code fails there. The demo excerpt needs a whole `prism demo` (minutes):
 only ``--demo`` renders it; otherwise that region is left as it is.
 """

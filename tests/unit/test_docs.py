@@ -1,7 +1,7 @@
 """The docs against the code, in-process: the configuration reference is what `make docs` renders from the schema
 and covers every key a config has; every link between README.md and docs/ resolves; every shell block is tagged
 by the convention (docs/README.md) and every command of a block the suite does not run parses. The blocks it
-runs are tests/integration/test_docs.py."""
+runs are tests/integration/test_docs_run.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_config_reference_is_what_make_docs_renders():
 @pytest.mark.parametrize("name", [n for n in docs.SOURCE_REGIONS if n != "config-keys"])
 def test_regions_rendered_from_the_source_are_current(name):
     """The regions `make docs` renders from the code alone (the command transcripts are rerun by
-    tests/integration/test_docs.py instead)."""
+    tests/integration/test_docs_run.py instead)."""
     holders = [p for p in docs.doc_paths() if f"make docs: {name} -->" in p.read_text()]
     assert holders, f"no doc holds the region {name!r}"
     for path in holders:
