@@ -37,6 +37,7 @@ class NodeMetrics:
         self.retry_after_s = retry_after_s
         self.monitor: Any = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # a monitor is started only while finish() has not run
         self._thread = threading.Thread(target=self._keep, daemon=True, name=f"prism-system-metrics-{self.node_id}")
         self._warned = False
 
@@ -49,10 +50,15 @@ class NodeMetrics:
 
         while not self._stop.is_set():
             try:
-                self.monitor = SystemMetricsMonitor(
+                monitor = SystemMetricsMonitor(
                     self.run_id, resume_logging=True, node_id=self.node_id, tracking_uri=self.uri
                 )
-                self.monitor.start()
+                with self._lock:
+                    # finish() may have run while the monitor was being built: never start one after it
+                    if self._stop.is_set():
+                        return
+                    self.monitor = monitor
+                    monitor.start()
                 # the monitor's thread ends when a request fails or the run is no longer RUNNING
                 while not self._stop.wait(1.0) and self._alive():
                     pass
@@ -69,8 +75,9 @@ class NodeMetrics:
     def finish(self, wait_s: float = 10.0) -> None:
         """Stop; MLflow's own finish (its last samples) gets ``wait_s``: with the server down its requests
         retry for minutes, and the exit must not wait for them."""
-        self._stop.set()
-        monitor = self.monitor
+        with self._lock:
+            self._stop.set()
+            monitor = self.monitor
         if monitor is not None:
             closing = threading.Thread(target=self._finish_quietly, args=(monitor,), daemon=True)
             closing.start()

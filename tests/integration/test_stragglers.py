@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,3 +93,27 @@ def test_an_unreachable_server_never_blocks_the_caller():
     metrics = NodeMetrics("0" * 32, "http://127.0.0.1:9", "node1", retry_after_s=0.1).start()
     metrics.finish()
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_built_after_finish_is_never_started(monkeypatch):
+    # finish() lands while the monitor is being built (its constructor asks the server for the run): the
+    # monitor must not start afterwards, or its thread outlives the run and logs into whatever runs next
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    metrics = NodeMetrics("0" * 32, "http://127.0.0.1:9", "node1", retry_after_s=0.1)
+    built = threading.Event()
+    from mlflow.system_metrics import system_metrics_monitor as smm
+
+    original = smm.SystemMetricsMonitor.__init__
+
+    def build_then_finish(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.set()
+        metrics.finish(wait_s=0)  # the stop arrives between construction and start
+
+    monkeypatch.setattr(smm.SystemMetricsMonitor, "__init__", build_then_finish)
+    metrics.start()
+    assert built.wait(50)
+    metrics._thread.join(10)
+    assert not metrics._thread.is_alive()
+    assert metrics.monitor is None
