@@ -126,7 +126,7 @@ def load_spec(path: str | Path) -> SearchSpec:
         raise doc.error("overrides", "tracking.enabled is false: the search reads its trials' val loss from tracking")
 
     space = mapping("space", SPACE_KEYS, required=True)
-    schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", sweep.ALL_VALID))
+    schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", sweep.ALL_VALID), overrides)
     lr = None
     if space.get("lr") is not None:
         bounds = mapping("space.lr", ("low", "high"), required=True)
@@ -209,13 +209,18 @@ def resolve_config(text: str, spec_dir: Path) -> Path | None:
     return None
 
 
-def expand_schedules(doc: SpecFile, base: config.Config, value: Any) -> tuple[list[str], str]:
-    """all-valid | {stages: N, min_heads: H} (all-valid, filtered) | an explicit list; each checked on the base."""
-    m = base.model
-    shape = f"d_model {m.d_model}, {m.num_layers} layers, h_base {m.h_base}, TP {base.parallel.tp}"
+def expand_schedules(doc: SpecFile, base: config.Config, value: Any, overrides: list[str]) -> tuple[list[str], str]:
+    """all-valid | {stages: N, min_heads: H} (all-valid, filtered) | an explicit list. A listed schedule is
+    read by config.load on the base config and its overrides, as `prism train` and `prism sweep` read it:
+    preset names (paper-124m), either spelling, and schedule.allow_guideline_violations all hold."""
+    m, p = base.model, base.parallel
+    shape = f"d_model {m.d_model}, {m.num_layers} layers, h_base {m.h_base}, TP {p.tp}"
     if value == sweep.ALL_VALID or isinstance(value, dict):
         found = [
-            schedule.compact(h) for h in schedule.enumerate_valid(m.d_model, m.num_layers, m.h_base, base.parallel.tp)
+            schedule.compact(h)
+            for h in schedule.enumerate_valid(
+                m.d_model, m.num_layers, m.h_base, p.tp, replicate_indivisible=p.replicate_indivisible_layers
+            )
         ]
         how = f"all-valid for {shape}"
         if isinstance(value, dict):
@@ -249,29 +254,12 @@ def expand_schedules(doc: SpecFile, base: config.Config, value: Any) -> tuple[li
     out = []
     for text in value:
         try:
-            heads = schedule.parse(text)
-            config.load(base.source, [*_base_overrides_of(base), f"schedule.heads={schedule.compact(heads)}"])
-        except (schedule.ScheduleError, ConfigError) as e:
+            out.append(config.load(base.source, [*overrides, f"schedule.heads={text}"]).schedule.heads)
+        except ConfigError as e:
             raise doc.error("space.schedules", f"space.schedules: {text!r} does not fit the base config: {e}") from None
-        out.append(schedule.compact(heads))
     if len(set(out)) != len(out):
         raise doc.bad("space.schedules", "lists a schedule twice")
     return out, "listed"
-
-
-def _base_overrides_of(base: config.Config) -> list[str]:
-    """The model/parallel keys a listed schedule is checked against (the rest cannot make it invalid)."""
-    m = base.model
-    return [
-        f"model.d_model={m.d_model}",
-        f"model.num_layers={m.num_layers}",
-        f"model.h_base={m.h_base}",
-        f"model.ffn_hidden_size={m.ffn_hidden_size}",
-        f"model.seq_len={m.seq_len}",
-        f"parallel.tp={base.parallel.tp}",
-        f"train.batch_tokens={base.train.batch_tokens}",
-        f"train.micro_batch_size={base.train.micro_batch_size}",
-    ]
 
 
 # --- what every run of the search is --------------------------------------------------------------------
