@@ -65,3 +65,16 @@ def test_schedule_validate_config():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("prism schedule: error: ")
     assert "tensor-parallel" in bad.stderr and "layer(s) 1, 2" in bad.stderr
+
+
+def test_cli_train_refuses_transformer_engine_on_cpu_with_exit_2(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", "configs/tiny_prism.yaml", "model.spec=transformer_engine"]
+        + ["train.device=cpu", f"run.output_dir={tmp_path}", "tracking.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "model.spec: transformer_engine needs a CUDA device" in out.stderr
+    assert "Traceback" not in out.stderr and not list(tmp_path.rglob("*.pt"))

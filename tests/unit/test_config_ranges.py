@@ -115,38 +115,50 @@ def test_every_numeric_key_has_a_range():
     assert numeric - ranged == set()
 
 
-@pytest.mark.parametrize(
-    ("override", "key"),
-    [
-        ("train.val_every=0", "train.val_every"),  # ZeroDivisionError after the first step, before
-        ("checkpoint.every_steps=0", "checkpoint.every_steps"),
-        ("checkpoint.every_minutes=-5", "checkpoint.every_minutes"),
-        ("train.lr=-1", "train.lr"),
-        ("run.scale=../../x", "run.scale"),
-        ("train.eval_tasks=[hellaswag,mmlu]", "train.eval_tasks"),
-        ("train.eval_every=8", "train.eval_every"),  # tasks emptied below
-    ],
-)
-def test_cli_exits_2_with_one_line_before_anything_runs(override, key, tmp_path):
-    # `prism plan` and `prism train` load the config the same way; plan answers without torch. Both verbs run
-    # side by side: each is mostly interpreter start-up.
-    procs = {
-        verb: subprocess.Popen(
-            [
-                *(sys.executable, "-m", "pipeline.cli", verb, str(TINY), "train.eval_tasks=[]", override),
-                f"run.output_dir={tmp_path}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        for verb in ("plan", "train")
-    }
-    for verb, proc in procs.items():
+CLI_REFUSALS = [
+    ("train.val_every=0", "train.val_every"),  # ZeroDivisionError after the first step, before
+    ("checkpoint.every_steps=0", "checkpoint.every_steps"),
+    ("checkpoint.every_minutes=-5", "checkpoint.every_minutes"),
+    ("train.lr=-1", "train.lr"),
+    ("run.scale=../../x", "run.scale"),
+    ("train.eval_tasks=[hellaswag,mmlu]", "train.eval_tasks"),
+    ("train.eval_every=8", "train.eval_every"),  # tasks emptied below
+]
+
+
+@pytest.fixture(scope="module")
+def cli_refusals(tmp_path_factory):
+    """`prism plan` and `prism train` on every refusal, all started at once (each process is mostly
+    interpreter start-up): {(override, verb): (returncode, stdout, stderr, output_dir)}."""
+    procs = {}
+    for override, _ in CLI_REFUSALS:
+        for verb in ("plan", "train"):
+            out = tmp_path_factory.mktemp("refused")
+            command = [sys.executable, "-m", "pipeline.cli", verb, str(TINY), "train.eval_tasks=[]", override]
+            procs[override, verb] = (
+                out,
+                subprocess.Popen(
+                    [*command, f"run.output_dir={out}"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=ROOT,
+                ),
+            )
+    results = {}
+    for key, (out, proc) in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 2, (verb, stdout, stderr)
+        results[key] = proc.returncode, stdout, stderr, out
+    return results
+
+
+@pytest.mark.parametrize(("override", "key"), CLI_REFUSALS, ids=[o for o, _ in CLI_REFUSALS])
+def test_cli_exits_2_with_one_line_before_anything_runs(override, key, cli_refusals):
+    # plan answers without torch, train loads the config the same way: both refuse before anything runs
+    for verb in ("plan", "train"):
+        returncode, stdout, stderr, out = cli_refusals[override, verb]
+        assert returncode == 2, (verb, stdout, stderr)
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and f"{key}:" in lines[0] and "Traceback" not in stderr, stderr
-    # no run folder, no checkpoint, no store (the console's logs/ folder may exist)
-    assert [p.name for p in tmp_path.iterdir() if p.name != "logs"] == []
+        # no run folder, no checkpoint, no store (the console's logs/ folder may exist)
+        assert [p.name for p in out.iterdir() if p.name != "logs"] == []
