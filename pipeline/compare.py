@@ -71,8 +71,6 @@ def latest_per_step(history: list[Any]) -> dict[int, float]:
     return {step: best[step][2] for step in sorted(best)}
 
 
-mean_std = statistics.mean_std
-
 # Params that, with the seed, fix which batches a run sees in which order (pipeline.data).
 DATA_ORDER_PARAMS = ("data.dataset_dir", "train.batch_tokens", "train.micro_batch_size", "model.seq_len")
 
@@ -197,7 +195,10 @@ def seeds_for(diff: statistics.Difference, uniform: list[RunSeries], prism: list
         return None
     if diff.method == "paired":
         return statistics.seeds_needed(diff.mean, diff.se * math.sqrt(diff.n), paired=True)
-    (_, su), (_, sp) = mean_std([r.final_val_loss for r in uniform]), mean_std([r.final_val_loss for r in prism])
+    (_, su), (_, sp) = (
+        statistics.mean_std([r.final_val_loss for r in uniform]),
+        statistics.mean_std([r.final_val_loss for r in prism]),
+    )
     return statistics.seeds_needed(diff.mean, math.sqrt((su * su + sp * sp) / 2), paired=False)
 
 
@@ -220,10 +221,10 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
         groups = [("uniform", uniform)] if uniform else []
         for sched in sorted({r.schedule for r in at_scale if r.arm == "prism"}):
             groups.append(("prism", [r for r in at_scale if r.arm == "prism" and r.schedule == sched]))
-        uniform_speed = mean_std([r.tokens_per_sec for r in uniform])[0]
+        uniform_speed = statistics.mean_std([r.tokens_per_sec for r in uniform])[0]
         for arm, group in groups:
-            final_mean, final_std = mean_std([r.final_val_loss for r in group])
-            speed = mean_std([r.tokens_per_sec for r in group])[0]
+            final_mean, final_std = statistics.mean_std([r.final_val_loss for r in group])
+            speed = statistics.mean_std([r.tokens_per_sec for r in group])[0]
             diff = arm_difference(uniform, group) if arm == "prism" and uniform else None
             needed = seeds_for(diff, uniform, group) if diff else None
             row: dict[str, Any] = {
@@ -246,8 +247,8 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
             thresholds = sorted({x for r in group for x in r.milestones}, reverse=True)
             for x in thresholds:
                 hit = [r.milestones[x] for r in group if r.milestones.get(x)]
-                row[f"val_{x!r}_tokens_mean"], row[f"val_{x!r}_tokens_std"] = mean_std([h[0] for h in hit])
-                row[f"val_{x!r}_steps_mean"], row[f"val_{x!r}_steps_std"] = mean_std([h[1] for h in hit])
+                row[f"val_{x!r}_tokens_mean"], row[f"val_{x!r}_tokens_std"] = statistics.mean_std([h[0] for h in hit])
+                row[f"val_{x!r}_steps_mean"], row[f"val_{x!r}_steps_std"] = statistics.mean_std([h[1] for h in hit])
                 row[f"val_{x!r}_not_reached"] = len(group) - len(hit)
             rows.append(row)
     return rows
@@ -430,11 +431,6 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _write(path: Path, text: str) -> Path:
-    write_atomic(path, text)
-    return path
-
-
 def comparison_experiment(experiment: str) -> str:
     """The experiment holding the comparison run of ``experiment``: its own, so the comparison is not one more
     line in every chart legend of the arms' runs."""
@@ -487,9 +483,12 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
         table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
     accuracy = compare_evals.summarize(runs)
     table += compare_evals.markdown(accuracy)
-    paths = [_write(out / "comparison.md", table), _write(out / "comparison.csv", to_csv(rows))]
+    texts = {"comparison.md": table, "comparison.csv": to_csv(rows)}
     if accuracy:
-        paths.append(_write(out / "accuracy_vs_tokens.csv", compare_evals.to_csv(accuracy)))
+        texts["accuracy_vs_tokens.csv"] = compare_evals.to_csv(accuracy)
+    paths = [out / name for name in texts]
+    for path, text in zip(paths, texts.values(), strict=True):
+        write_atomic(path, text)
     paths += plot(runs, out)
     paths += compare_evals.plot(accuracy, out, _save, compact_tokens) if accuracy else []
     run_id = log_comparison(experiment, tracking_uri, paths, runs) if log_to_mlflow else None

@@ -11,7 +11,6 @@ Rules (from the paper): hard ones are always errors; the paper's guidelines are 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -143,31 +142,6 @@ def check(
             )
         )
     return out
-
-
-def validate(
-    spec: str | Sequence[int],
-    d_model: int,
-    h_base: int,
-    tp: int = 1,
-    *,
-    allow_guideline_violations: bool = False,
-    replicate_indivisible: bool = False,
-) -> tuple[int, ...]:
-    """Parse and check; raise ScheduleError on a hard rule (or a guideline unless allowed)."""
-    verdict = judge(
-        parse(spec),
-        d_model,
-        h_base,
-        tp,
-        allow_guideline_violations=allow_guideline_violations,
-        replicate_indivisible=replicate_indivisible,
-    )
-    if verdict.errors:
-        raise ScheduleError(verdict.error_line())
-    for line in verdict.warning_lines():
-        warnings.warn(line, stacklevel=2)
-    return verdict.heads
 
 
 # --- the per-layer plan: one replication decision for the model, the capture hook and the FLOP counter ---
