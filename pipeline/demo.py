@@ -5,7 +5,7 @@ seed and token budget; each arm a clean subprocess through the real DeepSpeed pa
 steps) -> both logged to one SQLite MLflow store (<run.output_dir>/mlflow.db) -> `prism compare` table and plots
 (val loss and downstream accuracy against tokens), next to the unigram
 entropy of the training tokens (a model that learned nothing beyond token frequencies scores about that).
-A second run reuses the dataset and skips arms whose MLflow run already FINISHED with the same config.
+A second run reuses the dataset and skips arms whose MLflow run already FINISHED with the same result_hash (config.result_hash).
 """
 
 from __future__ import annotations

@@ -72,8 +72,10 @@ def expand_grid(
 
 
 def finished_run_ids(cfgs: Sequence[Config]) -> list[str | None]:
-    """Per config, the id of an MLflow run of it that already FINISHED (same run name and config hash), else
-    None; a store that does not exist yet holds none (and is not created by asking)."""
+    """Per config, the id of an MLflow run of it that already FINISHED (same run name and result_hash: what it
+    trains and measures, not how it ran), else None; a store that does not exist yet holds none (and is not
+    created by asking)."""
+    from pipeline.config import result_hash
     from pipeline.tracking import store
 
     clients: dict[str, Any] = {}
@@ -93,7 +95,7 @@ def finished_run_ids(cfgs: Sequence[Config]) -> list[str | None]:
             else client.search_runs(
                 [exp.experiment_id],
                 filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = 'FINISHED' and "
-                f"tags.config_hash = '{cfg.hash()}'",
+                f"tags.result_hash = '{result_hash(cfg)}'",
                 max_results=1,
             )
         )

@@ -3,7 +3,7 @@ this machine, then the comparison with statistics over seeds (pipeline.compare).
 
 Each run is its own `prism train` subprocess (a clean process group and the real DeepSpeed path, like the
 demo). Runs go seed by seed, arms interleaved, so a study stopped early still holds complete pairs and a busy
-spell of the machine hits both arms alike. A run whose MLflow run already FINISHED with the same config is
+spell of the machine hits both arms alike. A run whose MLflow run already FINISHED with the same result_hash is
 skipped, an interrupted one resumes from its checkpoint: rerunning the command finishes the study.
 Same seed = same data order (pipeline.data) and same initial RNG state, so compare pairs the arms by seed.
 """

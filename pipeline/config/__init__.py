@@ -351,6 +351,7 @@ from pipeline.config.resume_keys import (  # noqa: E402
     RECIPE_KEYS,
     changed_keys,
     flatten,
+    result_hash,
     schema_default,
 )
 from pipeline.config.rules import (  # noqa: E402
@@ -398,6 +399,7 @@ __all__ = [
     "changed_keys",
     "expand_output_dir",
     "flatten",
+    "result_hash",
     "from_dict",
     "load",
     "parse_override",

@@ -5,6 +5,8 @@ config dicts by what they build (the schedule resolved)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import typing
 from typing import Any
 
@@ -56,6 +58,14 @@ RECIPE_KEYS = (
     "train.skip_window",
     "train.skip_sigma",
 )
+# What a finished run measured, besides what it trained: the comparison reads these series.
+MEASURED_KEYS = (
+    "train.val_every",
+    "train.val_tokens",
+    "train.eval_every",
+    "train.eval_tasks",
+    "train.eval_limit",
+)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -75,17 +85,31 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...
     a, b = _resolved(flatten(old)), _resolved(flatten(new))
     keys = sorted(set(a) | set(b))
 
-    def in_scope(k: str) -> bool:
-        if any(k == e or k.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
-            return False
-        return any(k == s or k.startswith(s + ".") for s in scope)
-
     def differs(k: str) -> bool:
         if k not in a:  # saved before the key existed: that run had the default's behaviour
             return b.get(k) != schema_default(k)
         return a.get(k) != b.get(k)
 
-    return [k for k in keys if in_scope(k) and differs(k)]
+    return [k for k in keys if _in_scope(k, scope) and differs(k)]
+
+
+def result_hash(cfg: Config) -> str:
+    """A run's identity for "already finished" (demo, study): the hash of what it trains and measures (model
+    and data keys, recipe, MEASURED_KEYS; the schedule resolved), leaving out execution-only keys and what is
+    only logged or kept (train.log_every, data.tasks, tracking, checkpoint cadence), so a rerun that changes
+    those finds its finished runs instead of training them again."""
+    kept = {
+        k: v
+        for k, v in _resolved(flatten(cfg.to_dict())).items()
+        if _in_scope(k, MODEL_OR_DATA_KEYS + RECIPE_KEYS + MEASURED_KEYS)
+    }
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _in_scope(key: str, scope: tuple[str, ...]) -> bool:
+    if any(key == e or key.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
+        return False
+    return any(key == s or key.startswith(s + ".") for s in scope)
 
 
 def _resolved(flat: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline import schedule
 from pipeline.atomic import write_atomic
-from pipeline.config import Config, flatten
+from pipeline.config import Config, flatten, result_hash
 from pipeline.redaction import redact_text, redact_uri
 from pipeline.tracking import store
 from pipeline.tracking.journal import Delivery, Journal
@@ -83,6 +83,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "seed": str(cfg.run.seed),
         "git_commit": git_commit(),
         "config_hash": cfg.hash(),
+        "result_hash": result_hash(cfg),  # what "already finished" compares (pipeline.grid)
         "hostname": socket.gethostname(),
         # MLflow's own tags: the UI's "Source", "Version" and "Created by" columns read these.
         "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",

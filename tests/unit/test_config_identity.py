@@ -75,20 +75,27 @@ def test_a_checkpoint_saved_with_another_spelling_compares_by_what_it_builds(tmp
     assert config.changed_keys(other, now) == ["schedule.heads"]
 
 
-def test_a_finished_run_is_found_under_either_spelling(tmp_path):
+def test_a_finished_run_is_found_under_either_spelling_and_any_execution_setting(tmp_path):
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 
     from pipeline.grid import finished_run_ids
+    from pipeline.tracking.mlflow_run import run_tags
     from pipeline.tracking.store import run_uri
 
     first = tiny(tmp_path, SPELLINGS[0])
     client = MlflowClient(run_uri(first))
     experiment = client.create_experiment(first.experiment, artifact_location=(tmp_path / "artifacts").as_uri())
-    run = client.create_run(experiment, run_name=first.run_name, tags={"config_hash": first.hash()})
+    tags = {k: v for k, v in run_tags(first).items() if k.endswith("_hash")}  # the tags a training run carries
+    run = client.create_run(experiment, run_name=first.run_name, tags=tags)
     client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
-    found = finished_run_ids([tiny(tmp_path, spelling) for spelling in [*SPELLINGS, "6x2,12x6"]])
-    assert found == [run.info.run_id] * len(SPELLINGS) + [None]  # demo, study skip it under every spelling
+    same = [tiny(tmp_path, spelling) for spelling in SPELLINGS]
+    # how it ran, logged or kept: a resume accepts these, and a rerun of the demo or study finds the run
+    same += [tiny(tmp_path, SPELLINGS[0], o) for o in ("train.log_every=5", "data.tasks=1", "checkpoint.keep_last=3")]
+    other = [tiny(tmp_path, "6x2,12x6"), tiny(tmp_path, SPELLINGS[0], "train.lr=1e-3")]
+    other += [tiny(tmp_path, SPELLINGS[0], "train.val_tokens=8192")]  # the measured val loss would differ
+    assert same[-3].hash() != first.hash()  # the full config hash does see the change
+    assert finished_run_ids(same + other) == [run.info.run_id] * len(same) + [None] * len(other)
 
 
 # --- sweep and study resolve schedules through the config ---------------------------------------------------
