@@ -299,10 +299,21 @@ def demo_excerpt() -> str:
     return "```text\n" + "\n".join(picked) + "\n```\n"
 
 
+def CHECKPOINT_LINES(lines: list[str]) -> list[str]:  # noqa: N802 - a filter named like the lines it keeps
+    return [line for line in lines if line.lstrip().startswith(("world", "checkpoint", "ckpt"))]
+
+
 REGIONS: dict[str, Callable[[], str]] = {
     "config-keys": config_keys,
     "import-graph": import_graph,
     "plan-757m": lambda: transcript("prism plan configs/prism_757m.yaml --nodes 2 --gpus-per-node 8 --gpu H200"),
+    "plan-757m-checkpoints": lambda: "\n".join(
+        transcript(
+            f"prism plan configs/prism_757m.yaml --nodes {nodes} --gpus-per-node 8 --gpu h100-sxm",
+            keep=CHECKPOINT_LINES,
+        )
+        for nodes in (1, 8)
+    ),
     "schedule-show-124m": lambda: transcript("prism schedule show configs/prism_124m.yaml"),
     "search-dry-run": lambda: transcript("prism search launchers/searches/example.yaml --dry-run --peak-tflops 989"),
     "demo-excerpt": demo_excerpt,
