@@ -3,7 +3,7 @@ fp32). In the integration suite because compiling takes ~10 s; the helpers are t
 
 from __future__ import annotations
 
-from tests.unit.test_fusions import assert_same, build, plain  # noqa: F401  (plain: the fixture)
+from tests.integration.test_fusions import assert_same, build, plain  # noqa: F401  (plain: the fixture)
 
 
 def test_compile_matches_the_plain_loss(plain):  # noqa: F811
