@@ -51,14 +51,6 @@ def preset_path(arm: str, scale: str) -> Path:
     return path
 
 
-def _override_list(overrides: dict[str, Any] | list[str] | None) -> list[str]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return [f"{k}={json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in overrides.items()]
-    return [str(o) for o in overrides]
-
-
 def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str]) -> list[str | None]:
     """None -> the preset's schedule; "all-valid" -> every schedule the preset's config accepts; else a list.
 
@@ -107,7 +99,7 @@ def build_grid(
     for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
         if not values:
             raise ConfigError(f"sweep: {key} is empty; give at least one value")
-    base_overrides = _override_list(overrides)
+    base_overrides = config.override_list(overrides)
     grid = []
     for arm, scale in itertools.product(arms, scales):
         per_arm = expand_schedules(schedules, arm, scale, base_overrides)

@@ -342,6 +342,7 @@ from pipeline.config.loading import (  # noqa: E402
     expand_output_dir,
     from_dict,
     load,
+    override_list,
     parse_override,
     read_yaml,
 )
@@ -402,6 +403,7 @@ __all__ = [
     "result_hash",
     "from_dict",
     "load",
+    "override_list",
     "parse_override",
     "read_yaml",
     "rules",

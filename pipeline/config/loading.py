@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -91,6 +92,16 @@ def _section_kwargs(cls: type, data: dict[str, Any], where: str) -> dict[str, An
         elif f.default is REQUIRED and f.default_factory is REQUIRED:  # type: ignore[misc]
             raise ConfigError(f"{key}: missing required key ({_type_name(hints[name])})")
     return kwargs
+
+
+def override_list(overrides: dict[str, Any] | list[str] | None) -> list[str]:
+    """A spec file's ``overrides`` (a mapping {dotted.key: value} or a list of 'dotted.key=value') as the
+    list load() takes: what the sweep and the search specs both accept."""
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in overrides.items()]
+    return [str(o) for o in overrides]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

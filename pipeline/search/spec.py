@@ -115,7 +115,7 @@ def load_spec(path: str | Path) -> SearchSpec:
     overrides = spec.get("overrides")
     if not (overrides is None or isinstance(overrides, dict | list)):
         raise doc.bad("overrides", "use a mapping {dotted.key: value} or a list of 'dotted.key=value' strings")
-    overrides = sweep._override_list(overrides)
+    overrides = config.override_list(overrides)
     try:
         base = config.load(config_path, overrides)
     except ConfigError as e:
