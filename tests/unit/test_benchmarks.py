@@ -43,7 +43,12 @@ def test_meta_device_count_equals_the_count_of_a_real_run(model_parallel, arm):
         device: bench_loss.counted_peak(path, *bench_loss.inputs(2, 64, 32, 1000, torch.float32, device))
         for device in ("meta", "cpu")
     }
-    assert peaks["meta"] == peaks["cpu"] > 2 * 64 * 1000 * 4 * (arm == "megatron_fp32")  # megatron: >= fp32 logits
+    assert peaks["meta"] > 2 * 64 * 1000 * 4 * (arm == "megatron_fp32")  # megatron: >= fp32 logits
+    # On CPU, megatron's cross-entropy all-reduces three [b, s] fp32 vectors over gloo, whose worker thread
+    # drops its hold on a finished all-reduce a moment after wait() returns: now and then one of them is
+    # still alive at the peak (+512 bytes in a clean-clone CI run). The meta device has no such thread.
+    reduced = 3 * 2 * 64 * 4 if arm == "megatron_fp32" else 0
+    assert peaks["meta"] <= peaks["cpu"] <= peaks["meta"] + reduced, peaks
 
 
 def _output(name: str, fields: dict) -> str:
