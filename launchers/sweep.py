@@ -40,13 +40,13 @@ ALL_VALID = "all-valid"
 
 
 def preset_path(arm: str, scale: str) -> Path:
-    """configs/<arm>_<scale>.yaml; the CPU presets are named tiny_<arm>.yaml."""
-    name = f"tiny_{arm}.yaml" if scale == "tiny" else f"{arm}_{scale}.yaml"
-    path = ROOT / "configs" / name
-    if not path.is_file():
-        known = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    """The project's preset of ``arm`` at ``scale`` (config.preset_name), or one line listing the presets."""
+    path = config.find_preset(config.preset_name(arm, scale), config.PROJECT_CONFIGS)
+    if path is None:
+        known = sorted(p.stem for p in config.PROJECT_CONFIGS.glob("*.yaml"))
         raise ConfigError(
-            f"sweep: no preset for arm={arm!r} scale={scale!r} ({path} missing); presets: {', '.join(known)}"
+            f"sweep: no preset for arm={arm!r} scale={scale!r} "
+            f"({config.PROJECT_CONFIGS / config.preset_name(arm, scale)} missing); presets: {', '.join(known)}"
         )
     return path
 

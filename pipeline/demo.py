@@ -57,27 +57,27 @@ def unigram_entropy(manifest_path: Path) -> tuple[float, float, int]:
 
 
 def find_presets(preset_dir: str | Path | None = None) -> Path:
-    """The folder with tiny_{uniform,prism}.yaml: the one given, else ./configs, else configs/ beside the
-    package (a checkout or an editable install), so `prism demo` runs from any directory."""
+    """The folder with tiny_{uniform,prism}.yaml: the one given, else ./configs, else the project's configs/
+    (a checkout or an editable install), so `prism demo` runs from any directory."""
+    from pipeline.config import PROJECT_CONFIGS, ConfigError, preset_name
+
     if preset_dir is not None:
         return Path(preset_dir)
-    for folder in (Path("configs"), Path(__file__).resolve().parents[1] / "configs"):
-        if all((folder / f"tiny_{arm}.yaml").is_file() for arm in ARMS):
+    for folder in (Path("configs"), PROJECT_CONFIGS):
+        if all((folder / preset_name(arm, "tiny")).is_file() for arm in ARMS):
             return folder
-    from pipeline.config import ConfigError
-
     raise ConfigError("no tiny_uniform.yaml / tiny_prism.yaml in ./configs or beside the package; pass --preset-dir")
 
 
 def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
-    from pipeline.config import ConfigError, changed_keys
+    from pipeline.config import ConfigError, changed_keys, preset_name
     from pipeline.grid import expand_grid, finished_run_ids
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
     folder = find_presets(preset_dir)
-    presets = [folder / f"tiny_{arm}.yaml" for arm in ARMS]
+    presets = [folder / preset_name(arm, "tiny") for arm in ARMS]
     runs = dict(zip(ARMS, expand_grid(presets, overrides=[*DEMO_OVERRIDES, *overrides])))
     cfgs = {arm: run.cfg for arm, run in runs.items()}
     differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)

@@ -161,6 +161,21 @@ def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
 PROJECT_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+def preset_name(arm: str, scale: str) -> str:
+    """The file of an arm at a scale: <arm>_<scale>.yaml; the CPU presets are named tiny_<arm>.yaml."""
+    return f"tiny_{arm}.yaml" if scale == "tiny" else f"{arm}_{scale}.yaml"
+
+
+def find_preset(text: str | Path, *near: Path) -> Path | None:
+    """The one way a preset is looked up (sweep, search, demo): TEXT as a path relative to each folder of
+    NEAR, then to the cwd, then to the project; else a name under the project's configs/ (``prism_124m`` or
+    ``prism_124m.yaml``). None when no candidate is a file."""
+    text = str(text)
+    places = [Path(folder) / text for folder in near] + [Path(text), PROJECT_CONFIGS.parent / text]
+    places += [PROJECT_CONFIGS / text, PROJECT_CONFIGS / f"{text}.yaml"]
+    return next((p.resolve() for p in places if p.is_file()), None)
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A preset as one mapping: a top-level `base: FILE` is read first and this file's keys are deep-merged
     over it, so an arm overlay names only what differs from its scale's base. FILE is looked for next to this

@@ -109,7 +109,7 @@ def load_spec(path: str | Path) -> SearchSpec:
             raise doc.bad(key, "must be a non-empty string")
     if "config" not in spec:
         raise doc.error("config", "config is missing: a preset such as configs/tiny_prism.yaml (or prism_124m)")
-    config_path = resolve_config(spec["config"], doc.path.parent)
+    config_path = config.find_preset(spec["config"], doc.path.parent)
     if config_path is None:
         raise doc.bad("config", "no such YAML: give a path (relative to this spec or the cwd) or a preset name")
     overrides = spec.get("overrides")
@@ -199,14 +199,6 @@ def load_spec(path: str | Path) -> SearchSpec:
         confirm_seeds=seeds,
         base=base,
     )
-
-
-def resolve_config(text: str, spec_dir: Path) -> Path | None:
-    """A YAML path (relative to the spec, then the cwd) or a preset name (``prism_124m`` -> configs/prism_124m.yaml)."""
-    for candidate in (spec_dir / text, Path(text), sweep.ROOT / "configs" / f"{text}.yaml", sweep.ROOT / text):
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
 
 
 def expand_schedules(doc: SpecFile, base: config.Config, value: Any, overrides: list[str]) -> tuple[list[str], str]:

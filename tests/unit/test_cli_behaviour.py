@@ -95,3 +95,22 @@ def test_eval_out_naming_a_folder_is_one_line_before_anything_loads(tmp_path, ca
     assert main(["eval", str(tmp_path / "no-such-checkpoint"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0] and "is a folder" in err[0] and "eval.json" in err[0], err
+
+
+def test_one_preset_lookup_for_every_verb(tmp_path, monkeypatch):
+    from launchers import sweep
+    from pipeline import search
+
+    monkeypatch.chdir(tmp_path)  # not the checkout: names still find the project's presets
+    want = (ROOT / "configs" / "prism_124m.yaml").resolve()
+    assert {config.find_preset(t) for t in ("prism_124m", "prism_124m.yaml", "configs/prism_124m.yaml")} == {want}
+    assert sweep.preset_path("prism", "124m") == want
+    assert config.find_preset("no_such_preset") is None
+    # a file next to the spec wins over the project's preset of that name
+    (tmp_path / "prism_124m.yaml").write_text(f"base: {want}\ntrain: {{lr: 1.0e-3}}\n")
+    assert config.find_preset("prism_124m.yaml", tmp_path) == (tmp_path / "prism_124m.yaml").resolve()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "config: tiny_prism\nspace: {schedules: ['3x2,6x2,12x4']}\nrungs: {min_tokens: 2048, reduction_factor: 2, full_tokens: 8192}\n"
+    )
+    assert search.load_spec(spec).config_path == (ROOT / "configs" / "tiny_prism.yaml").resolve()
