@@ -104,7 +104,7 @@ def checkpoint_folder(path: str | Path) -> Path:
     """The folder holding a run's tags: ``path`` itself, a run folder's checkpoints/, or a tag's parent."""
     path = Path(path)
     for candidate in (path / "checkpoints", path):
-        if candidate.is_dir() and (read_latest(candidate) is not None or any(candidate.glob("step-*"))):
+        if candidate.is_dir() and (read_latest(candidate) is not None or tag_names(candidate)):
             return candidate
     if config_file(path).is_file():
         return path.parent
@@ -116,7 +116,7 @@ def _tag_at_step(path: Path, step: int) -> Path:
     tag_dir = folder / tag_for(step)
     if config_file(tag_dir).is_file():
         return tag_dir
-    have = sorted(s for p in folder.glob("step-*") if (s := _tag_step(p.name)) is not None)
+    have = [_tag_step(t) for t in tag_names(folder)]
     marks = set(milestone_tags(folder))
     listed = ", ".join(f"{s}{' (milestone)' if tag_for(s) in marks else ''}" for s in have) or "none"
     raise ConfigError(f"{folder}: no checkpoint at step {step}; steps kept: {listed}")
@@ -228,6 +228,15 @@ def _tag_step(name: str) -> int | None:
     return None
 
 
+def tag_names(checkpoint_dir: str | Path) -> list[str]:
+    """The tag folders of a checkpoint folder, oldest first, intact or not: each reader applies its own
+    policy to them (resume falls back past damaged ones, export and eval refuse, pruning keeps milestones)."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if _tag_step(p.name) is not None and p.is_dir())
+
+
 def check_writable(folder: Path) -> None:
     """The checkpoint folder can be created and written: otherwise one line naming the path and the cause."""
     if (cause := folder_write_problem(folder)) is not None:
@@ -254,19 +263,17 @@ def resume_point(cfg: Config) -> Resume:
             named = None
         else:
             limit = _tag_step(named)
-    tags = sorted(
-        (p.name for p in ckpt_dir.glob("step-*") if p.is_dir() and _tag_step(p.name) is not None), reverse=True
-    )
+    candidates = tag_names(ckpt_dir)[::-1]  # newest first
     if limit is not None:  # a user may repoint `latest` at an older tag to roll back: respect it
-        tags = [t for t in tags if _tag_step(t) <= limit]
+        candidates = [t for t in candidates if _tag_step(t) <= limit]
     damaged: list[str] = [pointer_problem] if pointer_problem else []
     chosen = None
-    for tag in tags:
+    for tag in candidates:
         if (read_integrity(ckpt_dir / tag) or {}).get("weights_only"):
             damaged.append(f"{tag}: a weights-only milestone (its optimizer state was dropped), not resumable")
             continue
         problem = verify(ckpt_dir / tag)
-        if problem and tag == named and not any((ckpt_dir / t / INTEGRITY).is_file() for t in tags):
+        if problem and tag == named and not any((ckpt_dir / t / INTEGRITY).is_file() for t in candidates):
             problem = _legacy_problem(ckpt_dir / tag)  # a run from before integrity records existed
         if problem is None:
             chosen = tag
@@ -581,9 +588,9 @@ def prune(checkpoint_dir: Path, cfg: Config, keep: str) -> None:
     step = _tag_step(keep)
     if step is not None and is_milestone(step, c.keep_every_steps, cfg.steps(1)["total"]):
         _update_record(ckpt_dir / keep, milestone=True)
-    tags = sorted(p.name for p in ckpt_dir.glob("step-*") if p.is_dir())
-    newest = set(tags[-max(1, c.keep_last) :]) | {keep}
-    for tag in tags:
+    kept = tag_names(ckpt_dir)
+    newest = set(kept[-max(1, c.keep_last) :]) | {keep}
+    for tag in kept:
         if tag in newest:
             continue
         record = read_integrity(ckpt_dir / tag) or {}
@@ -620,8 +627,7 @@ def _update_record(tag_dir: Path, **changes: Any) -> None:
 
 def milestone_tags(checkpoint_dir: Path) -> list[str]:
     """The milestone tags of a checkpoint folder, oldest first."""
-    tags = sorted(p.name for p in Path(checkpoint_dir).glob("step-*") if _tag_step(p.name) is not None)
-    return [t for t in tags if (read_integrity(Path(checkpoint_dir) / t) or {}).get("milestone")]
+    return [t for t in tag_names(checkpoint_dir) if (read_integrity(Path(checkpoint_dir) / t) or {}).get("milestone")]
 
 
 UNIVERSAL = ".universal"  # <checkpoint_dir>/.universal/<tag>: a tag converted for another TP/DP size, while it loads

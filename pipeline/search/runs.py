@@ -79,5 +79,6 @@ def tokens_trained(rec: dict[str, Any], batch_tokens: int) -> int:
 
 
 def checkpoints_of(rec: dict[str, Any]) -> list[str]:
-    folder = Path(rec["checkpoint_dir"])
-    return sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    from pipeline.checkpoint import tag_names
+
+    return tag_names(rec["checkpoint_dir"])
