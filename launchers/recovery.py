@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA
+from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA, parse_exit_record
 
 MAX_RESTARTS = 3  # default of PRISM_MAX_RESTARTS (the module docstring says why)
 
@@ -46,9 +46,9 @@ class Verdict:
 def decide(record: str, status: int, history: list[int], latest_step: int, max_restarts: int, where: str) -> Verdict:
     """``record``: the exit record ('' when none); ``history``: the steps earlier failures of this job were
     at; ``latest_step``: the step `latest` names (0 without one); ``where``: the kept diagnostics."""
-    reason, _, step_text = record.strip().partition(" ")
-    reason = reason if reason in WHAT else ""
-    step = int(step_text) if reason and step_text.isdigit() else latest_step
+    parsed = parse_exit_record(record)
+    reason = parsed[0] if parsed and parsed[0] in WHAT else ""
+    step = parsed[1] if reason else latest_step
     what = WHAT[reason]
     exit_status = EXIT_INFRA if reason == "infra" else (status or EXIT_CRASHED)
     if history and history[-1] == step:

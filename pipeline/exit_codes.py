@@ -22,3 +22,24 @@ TRAIN_EXIT_CODES = (
 class InfrastructureFault(RuntimeError):
     """Raised by the core when the machine, not the input, failed; `prism train` writes the exit record
     `infra STEP` and exits EXIT_INFRA. Bad input is never this: it stays EXIT_BAD_INPUT and is not retried."""
+
+
+# The exit record `REASON STEP` that rank 0 of `prism train` leaves in $PRISM_EXIT_FILE: how the run ended,
+# which torchrun's exit status cannot say (a stop signal after a checkpoint). train_job.sh, launchers.recovery
+# and the search read it through parse_exit_record; the job body's shell `case` repeats the reason words.
+RECORD_REASONS = {
+    EXIT_FINISHED: "finished",
+    EXIT_CRASHED: "crashed",
+    EXIT_BAD_INPUT: "bad_input",
+    EXIT_STOPPED: "signal",
+    EXIT_NONFINITE: "nonfinite",
+    EXIT_INFRA: "infra",
+}
+
+
+def parse_exit_record(text: str) -> tuple[str, int] | None:
+    """(reason, step) of an exit record's text; None for anything else (empty, torn, another format)."""
+    reason, _, step = text.strip().partition(" ")
+    if reason not in RECORD_REASONS.values() or not step.isdigit():
+        return None
+    return reason, int(step)

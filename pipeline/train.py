@@ -47,7 +47,15 @@ from pipeline.distributed import (
     train_device,
 )
 from pipeline.eval_catalog import eval_tokens
-from pipeline.exit_codes import EXIT_FINISHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED, InfrastructureFault
+from pipeline.exit_codes import (
+    EXIT_CRASHED,
+    EXIT_FINISHED,
+    EXIT_INFRA,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    RECORD_REASONS,
+    InfrastructureFault,
+)
 from pipeline.metric_names import val_loss_metric
 
 
@@ -525,7 +533,9 @@ def train(cfg: Config) -> dict[str, Any]:
         raise  # bad input met mid-run (a damaged shard): exit 2, recorded by the CLI, never retried
     except Exception as error:  # a lost peer or timed-out collective is the machine's fault, not ours
         if not (isinstance(error, InfrastructureFault) or compat.collective_failed(error)):
-            record_exit("crashed", run.state.step)  # the job script restarts it, and stops a crash loop
+            record_exit(
+                RECORD_REASONS[EXIT_CRASHED], run.state.step
+            )  # the job script restarts it, and stops a crash loop
             raise
         say(
             f"prism train: error: infrastructure fault at step {run.state.step}: {str(error).splitlines()[0]}; "
@@ -749,9 +759,7 @@ def downstream_eval(run: Run) -> None:
 
 def finish(run: Run, exit_code: int) -> dict[str, Any]:
     """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
-    reason = {EXIT_FINISHED: "finished", EXIT_STOPPED: "signal", EXIT_NONFINITE: "nonfinite", EXIT_INFRA: "infra"}[
-        exit_code
-    ]
+    reason = RECORD_REASONS[exit_code]
     # before restoring the signal handlers: a late stop signal must not kill us first
     record_exit(reason, run.state.step)
     run.stopper.restore()

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline import config
     from pipeline.config import ConfigError
     from pipeline.distributed import setup_threads, write_exit_record
+    from pipeline.exit_codes import EXIT_BAD_INPUT, RECORD_REASONS
     from pipeline.schedule import ScheduleError
     from pipeline.train import train
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg)
     except (ConfigError, ScheduleError):  # exit 2: launchers/train_job.sh must not retry it
         if os.environ.get("RANK", "0") == "0":
-            write_exit_record("bad_input", 0)
+            write_exit_record(RECORD_REASONS[EXIT_BAD_INPUT], 0)
         raise
     finally:
         import torch.distributed as dist

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.exit_codes import parse_exit_record
+
 # what `prism train` writes into $PRISM_EXIT_FILE: "finished|signal|nonfinite|infra|crashed STEP" or "bad_input 0"
 EXIT_FILE = "exit-record.txt"
 
@@ -47,14 +49,18 @@ def val_losses(rec: dict[str, Any], uri: str) -> tuple[dict[int, float], str]:
     return {**from_journal, **values}, "mlflow"
 
 
+def exit_record(rec: dict[str, Any]) -> tuple[str, int] | None:
+    """(reason, step) from the run's exit record, None without a readable one."""
+    path = Path(rec["folder"]) / EXIT_FILE
+    return parse_exit_record(path.read_text()) if path.is_file() else None
+
+
 def outcome(rec: dict[str, Any]) -> tuple[str, int]:
     """How an ended run ended: (finished | signal | nonfinite | infra | crashed | bad_input, last step), from its
     exit record, else from its journal's last finish record: `failed` for FAILED (a NaN/inf or an infrastructure
     fault, the journal does not say which), `crashed` when there is none."""
-    exit_file = Path(rec["folder"]) / EXIT_FILE
-    if exit_file.is_file():
-        reason, _, step = exit_file.read_text().strip().partition(" ")
-        return reason, int(step or 0)
+    if (record := exit_record(rec)) is not None:
+        return record
     steps = [int(r["step"]) for r in read_journal(rec) if r.get("op") == "metrics"]
     finish = [r for r in read_journal(rec) if r.get("op") == "finish"]
     status = finish[-1]["status"] if finish else "CRASHED"
@@ -71,10 +77,8 @@ def tokens_trained(rec: dict[str, Any], batch_tokens: int) -> int:
         if r.get("op") == "metrics" and "train/tokens_seen" in r.get("metrics", {})
     ]
     steps = [int(name.split("-")[1]) for name in checkpoints_of(rec)]
-    exit_file = Path(rec["folder"]) / EXIT_FILE
-    words = exit_file.read_text().split() if exit_file.is_file() else []
-    if len(words) == 2 and words[1].isdigit():
-        steps.append(int(words[1]))
+    if (record := exit_record(rec)) is not None:
+        steps.append(record[1])
     return int(max(max(seen, default=0), max(steps, default=0) * batch_tokens))
 
 

@@ -71,3 +71,14 @@ def test_faults_fire_only_where_asked_and_once_with_a_marker(faults, monkeypatch
         f.before_step(3)
     f.before_step(3)  # the restarted run passes the step
     assert (tmp_path / "fired").exists()
+
+
+def test_the_exit_record_has_one_reader():
+    from pipeline.exit_codes import RECORD_REASONS, parse_exit_record
+
+    for code, reason in RECORD_REASONS.items():
+        assert parse_exit_record(f"{reason} 12\n") == (reason, 12), code
+    for torn in ("", "finished", "finished x", "exploded 3", "signal 3 extra"):
+        assert parse_exit_record(torn) is None, torn
+    # the job script's restart decision reads a torn record as none: the step `latest` names counts
+    assert decide("crashed", 1, [], 6, 3, "d").step == 6
