@@ -33,7 +33,6 @@ from typing import Any
 from pipeline import compare_evals, statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
-from pipeline.metric_names import metric_history
 from pipeline.tracking import store
 
 ARMS = ("uniform", "prism")
@@ -105,7 +104,7 @@ def _fmt(mean: float, std: float, digits: int = 4) -> str:
     return f"{mean:.{digits}f} ± {s}"
 
 
-def _thresholds(params: dict[str, str], metric_keys: list[str]) -> list[float]:
+def _thresholds(params: dict[str, str], tag_keys: list[str]) -> list[float]:
     xs: set[float] = set()
     raw = params.get("tracking.milestones")
     if raw:
@@ -113,7 +112,7 @@ def _thresholds(params: dict[str, str], metric_keys: list[str]) -> list[float]:
             xs.update(float(x) for x in json.loads(raw))
         except (ValueError, TypeError):
             pass
-    for key in metric_keys:  # milestones logged by a run whose config listed others (tags, or metrics before)
+    for key in tag_keys:  # milestones logged by a run whose config listed others
         if key.startswith("milestone/val_") and key.endswith("_step"):
             xs.add(float(key[len("milestone/val_") : -len("_step")]))
     return sorted(xs, reverse=True)
@@ -134,7 +133,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             continue
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
-        tokens_history = metric_history(client, rid, "train/tokens_seen")  # or "tokens_seen" in older runs
+        tokens_history = client.get_metric_history(rid, "train/tokens_seen")
         tokens = latest_per_step(tokens_history)
         batch_tokens = float(params.get("train.batch_tokens", "nan"))
         series = [(s, tokens.get(s, s * batch_tokens), v) for s, v in val.items()]
@@ -148,14 +147,10 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
             if key.startswith("eval/")
         }
         milestones: dict[float, tuple[float, float] | None] = {}
-        for x in _thresholds(params, [*run.data.metrics, *tags]):
+        for x in _thresholds(params, list(tags)):
             tok_key, step_key = f"milestone/val_{x!r}_tokens", f"milestone/val_{x!r}_step"
-            if tok_key in tags and step_key in tags:  # how runs log milestones now
-                milestones[x] = (float(tags[tok_key]), float(tags[step_key]))
-                continue
-            tok = latest_per_step(client.get_metric_history(rid, tok_key))  # runs logged before: metrics
-            stp = latest_per_step(client.get_metric_history(rid, step_key))
-            milestones[x] = (min(tok.values()), min(stp.values())) if tok and stp else None
+            reached = tok_key in tags and step_key in tags
+            milestones[x] = (float(tags[tok_key]), float(tags[step_key])) if reached else None
         runs.append(
             RunSeries(
                 rid,

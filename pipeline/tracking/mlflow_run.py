@@ -281,9 +281,9 @@ class MlflowTracker:
     def _restore_milestones(self) -> None:
         """After a resume, milestones already logged by this run stay reached (they were first)."""
         for rec in self.journal.records():
-            if rec["op"] not in ("metrics", "tags"):
+            if rec["op"] != "tags":
                 continue
-            m = rec.get("metrics") or rec.get("tags")
+            m = rec["tags"]
             for x in self.milestones:
                 if x not in self.reached and milestone_key(x, "step") in m:
                     self.reached[x] = {

@@ -1,20 +1,11 @@
-"""One metric prefix scheme, and `prism compare` still reading runs logged with the names from before it."""
+"""`prism compare` reads a run's token count from train/tokens_seen, not from the batch size it was given."""
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline import compare
-from pipeline.metric_names import OLD_NAMES, metric_history
 from pipeline.tracking.mlflow_run import MlflowTracker
 from tests.unit.test_tracking import tiny_cfg
-
-PREFIXES = {"train", "val", "perf", "data", "eval"}
-
-
-def test_every_renamed_metric_has_a_known_prefix_and_its_old_name_had_none():
-    assert {new.split("/")[0] for new in OLD_NAMES} <= PREFIXES
-    assert all("/" not in old for old in OLD_NAMES.values())
-    assert len(set(OLD_NAMES.values())) == len(OLD_NAMES)
 
 
 def log_run(client, experiment_id, arm, tokens_key, seconds_per_step):
@@ -29,7 +20,7 @@ def log_run(client, experiment_id, arm, tokens_key, seconds_per_step):
     return run_id
 
 
-def test_compare_reads_token_counts_under_the_new_and_the_old_name(tmp_path):
+def test_compare_reads_token_counts_from_the_runs_metric(tmp_path):
     cfg = tiny_cfg(tmp_path)
     tracker = MlflowTracker(cfg)
     tracker.start(cfg)
@@ -37,12 +28,10 @@ def test_compare_reads_token_counts_under_the_new_and_the_old_name(tmp_path):
     client = MlflowClient(tracker.uri)
     exp_id = client.get_experiment_by_name(cfg.experiment).experiment_id
     client.delete_run(tracker.run_id)  # only the two runs below
-    new = log_run(client, exp_id, "prism", "train/tokens_seen", seconds_per_step=2.0)
-    old = log_run(client, exp_id, "uniform", "tokens_seen", seconds_per_step=4.0)
+    fast = log_run(client, exp_id, "prism", "train/tokens_seen", seconds_per_step=2.0)
+    slow = log_run(client, exp_id, "uniform", "train/tokens_seen", seconds_per_step=4.0)
 
     runs = {r.run_id: r for r in compare.load_runs(cfg.experiment, tracker.uri)}
-    assert runs[new].tokens_per_sec == pytest.approx(750.0)  # 1500 tokens per 2 s, from train/tokens_seen
-    assert runs[old].tokens_per_sec == pytest.approx(375.0)  # 1500 tokens per 4 s, from tokens_seen
-    assert [tokens for _, tokens, _ in runs[old].val] == [1500.0, 3000.0, 4500.0, 6000.0]
-    assert metric_history(client, old, "val/loss")[0].value == 7.0
-    assert metric_history(client, old, "perf/mfu") == []
+    assert runs[fast].tokens_per_sec == pytest.approx(750.0)  # 1500 tokens per 2 s
+    assert runs[slow].tokens_per_sec == pytest.approx(375.0)  # 1500 tokens per 4 s
+    assert [tokens for _, tokens, _ in runs[slow].val] == [1500.0, 3000.0, 4500.0, 6000.0]

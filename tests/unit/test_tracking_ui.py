@@ -1,5 +1,4 @@
-"""What the MLflow UI shows (issue 16 item 4, issue 24 item 4): standard source tags, milestones as tags (and
-the reader still taking the metrics older runs logged), the comparison run in its own experiment, the UI links
+"""What the MLflow UI shows (issue 16 item 4, issue 24 item 4): standard source tags, milestones as tags, the comparison run in its own experiment, the UI links
 (the run and the runs list, in the UI's Model-training mode), the data budget as params, not metrics."""
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from pipeline import compare
-from pipeline.tracking.mlflow_run import UI_MODE, MlflowTracker, milestone_key, ui_page
+from pipeline.tracking.mlflow_run import UI_MODE, MlflowTracker, ui_page
 from tests.unit.test_tracking import tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,31 +69,22 @@ def test_the_data_plan_is_params_not_metrics_and_a_resume_names_what_changed(tmp
     assert run.data.tags["params_changed_on_resume"] == "data/epochs"
 
 
-def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read_old_and_new(tmp_path):
+def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read(tmp_path):
     cfg = tiny_cfg(tmp_path, overrides=["tracking.milestones=[7.0]"])
     tracker = MlflowTracker(cfg)
     new_id = tracker.start(cfg)
     tracker.log_metrics({"train/loss": 7.0, "train/tokens_seen": 4096, "perf/tokens_per_sec": 1.0}, 2)
     tracker.log_metrics({"val/loss": 6.9}, 2)
     tracker.finish()
-    # A run logged before milestones became tags: the same values as metrics.
-    client = MlflowClient(tracker.uri)
-    exp = client.get_experiment_by_name(cfg.experiment)
-    old = client.create_run(exp.experiment_id, tags={"kind": "train", "arm": "uniform", "scale": "tiny"})
-    old_id = old.info.run_id
-    client.log_param(old_id, "tracking.milestones", "[7.0]")
-    client.log_metric(old_id, "val/loss", 6.95, step=3)
-    client.log_metric(old_id, milestone_key(7.0, "tokens"), 6144.0, step=3)
-    client.log_metric(old_id, milestone_key(7.0, "step"), 3.0, step=3)
-
     runs = {r.run_id: r for r in compare.load_runs(cfg.experiment, tracker.uri)}
     assert runs[new_id].milestones[7.0] == (4096.0, 2.0)
-    assert runs[old_id].milestones[7.0] == (6144.0, 3.0)
+    client = MlflowClient(tracker.uri)
+    exp = client.get_experiment_by_name(cfg.experiment)
 
     report = tmp_path / "report.md"
     report.write_text("x")
     comparison_id = compare.log_comparison(cfg.experiment, tracker.uri, [report], list(runs.values()))
-    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == {new_id, old_id}
+    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == {new_id}
     comparison = client.get_run(comparison_id)
     placed = client.get_experiment(comparison.info.experiment_id)
     assert placed.name == f"{cfg.experiment}-comparison" and comparison.data.tags["kind"] == "comparison"
