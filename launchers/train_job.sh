@@ -158,7 +158,7 @@ while :; do
       exit 3
       ;;
   esac
-  if [ "$rc" -eq 0 ]; then  # a trainer without the exit record (older checkout)
+  if [ "$rc" -eq 0 ]; then  # finished, but its exit record could not be written (the trainer said so)
     echo "train_job: training finished (token budget done)"
     exit 0
   fi

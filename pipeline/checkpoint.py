@@ -273,8 +273,6 @@ def resume_point(cfg: Config) -> Resume:
             damaged.append(f"{tag}: a weights-only milestone (its optimizer state was dropped), not resumable")
             continue
         problem = verify(ckpt_dir / tag)
-        if problem and tag == named and not any((ckpt_dir / t / INTEGRITY).is_file() for t in candidates):
-            problem = _legacy_problem(ckpt_dir / tag)  # a run from before integrity records existed
         if problem is None:
             chosen = tag
             break
@@ -294,14 +292,6 @@ def resume_point(cfg: Config) -> Resume:
     dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
     check_resume_policy(cfg, ckpt_dir / chosen, resume.saved_dp_size, None if resume.finished else dp)
     return resume
-
-
-def _legacy_problem(tag_dir: Path) -> str | None:
-    if not config_file(tag_dir).is_file():
-        return f"{CONFIG_NAME} is missing"
-    if not (tag_dir / MODEL_STATES).is_file():
-        return f"{MODEL_STATES} is missing"
-    return None
 
 
 # --- the resume policy: may this checkpoint continue as this config, here -----------------------------------

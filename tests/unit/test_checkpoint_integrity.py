@@ -68,13 +68,14 @@ def test_resume_point_falls_back_past_damage_and_respects_a_rolled_back_pointer(
     assert checkpoint.resume_point(cfg).tag == "step-0000003"
 
 
-def test_a_folder_never_completed_is_a_fresh_start_and_legacy_runs_still_resume(tmp_path):
+def test_a_folder_never_completed_is_a_fresh_start_and_a_tag_without_its_record_never_resumes(tmp_path):
     cfg = cfg_in(tmp_path)
     make_tag(cfg, 3, record=False)
     (cfg.checkpoint_dir / "latest").unlink()  # killed before its first `latest`
     assert checkpoint.resume_point(cfg).tag is None
-    (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a run from before integrity records
-    assert checkpoint.resume_point(cfg).tag == "step-0000003"
+    (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a pointer at a tag whose save never completed
+    with pytest.raises(ConfigError, match=r"step-0000003: integrity\.json is missing or unreadable"):
+        checkpoint.resume_point(cfg)
 
 
 def test_finished_and_plan_changes(tmp_path):

@@ -77,7 +77,8 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step-0000002").mkdir()
     (tmp_path / "step-0000002" / "config.yaml").write_text(cfg.dump())
-    (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")  # a checkpoint without a record
+    (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")
+    checkpoint.write_integrity(tmp_path / "step-0000002", {"step": 2, "tp": 1, "dp_size": 1, "world_size": 1})
     (tmp_path / "latest").write_text("step-0000002")
     assert checkpoint.resume_point(cfg).tag == "step-0000002"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
