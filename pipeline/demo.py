@@ -11,7 +11,6 @@ A second run reuses the dataset and skips arms whose MLflow run already FINISHED
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import threading
@@ -167,9 +166,10 @@ def train_arms(commands: dict[str, list[str]], cfg, t0: float) -> int:
     """Run each arm's `prism train` (arms_at_once() at a time, one thread each), relaying its lines prefixed
     with the arm; print one estimate when every running arm has timed its first logged steps. Returns 0, or
     the exit code of the first arm that failed (the others still finish)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(THREADS_PER_ARM)}
-    env["MKL_NUM_THREADS"] = env["OMP_NUM_THREADS"]
+    from pipeline.distributed import local_run_env
+
     at_once, waiting = arms_at_once(), list(commands)
+    env = local_run_env(at_once, threads=THREADS_PER_ARM)
     running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
     timing = ArmTiming(cfg, t0, len(commands), at_once)
     failed: list[int] = []

@@ -60,6 +60,18 @@ def node_cpus() -> int:
     return min(cpus, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cpus
 
 
+def local_run_env(concurrent: int, threads: int | None = None) -> dict[str, str]:
+    """The environment of a `prism train` started on this host beside ``concurrent - 1`` others (the demo,
+    the study, local search trials): output unbuffered, and the cores shared out, each run taking
+    ``threads`` or, when not given, its share of node_cpus() (a user's OMP_NUM_THREADS wins then)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads is None and "OMP_NUM_THREADS" in env:
+        return env
+    count = str(threads if threads is not None else max(1, node_cpus() // max(1, concurrent)))
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = count
+    return env
+
+
 # --- process groups -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Placement:

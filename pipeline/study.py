@@ -78,9 +78,9 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
 
     for dataset_dir in sorted({r.cfg.data.dataset_dir for r in runs}):  # builds, resumes or reuses it
         prepare(next(r.cfg for r in runs if r.cfg.data.dataset_dir == dataset_dir))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if jobs > 1 and "OMP_NUM_THREADS" not in env:  # share the cores instead of each run taking all of them
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    from pipeline.distributed import local_run_env
+
+    env = local_run_env(jobs) if jobs > 1 else {**os.environ, "PYTHONUNBUFFERED": "1"}
     running: list[tuple[str, list[str], subprocess.Popen, Any]] = []
     failed: list[str] = []
 

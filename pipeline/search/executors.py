@@ -48,9 +48,9 @@ class LocalLauncher:
     def __init__(self, spec: SearchSpec):
         self.spec = spec
         self.children: dict[int, subprocess.Popen] = {}
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if "OMP_NUM_THREADS" not in self.env:  # share the cores instead of each run taking all of them
-            self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.concurrency))
+        from pipeline.distributed import local_run_env
+
+        self.env = local_run_env(spec.concurrency)
 
     def find(self, rec: dict[str, Any]) -> dict[str, Any] | None:
         pid = _find_local(rec["marker"])

@@ -42,3 +42,17 @@ def test_without_seeds_or_schedules_each_config_keeps_its_own():
     (run,) = expand_grid([TINY], overrides=["run.seed=7"])
     assert run.cfg.run.seed == 7 and run.schedule is None and run.label == "prism-tiny-s7"
     assert run.train_command()[-2:] == [str(TINY), "run.seed=7"]
+
+
+def test_local_runs_share_the_cores_one_way(monkeypatch):
+    """The demo, the study and local search trials start `prism train` through one rule for threads."""
+    from pipeline import distributed
+
+    monkeypatch.setattr(distributed, "node_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = distributed.local_run_env(3)
+    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["PYTHONUNBUFFERED"]) == ("2", "2", "1")
+    assert distributed.local_run_env(16)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert distributed.local_run_env(2)["OMP_NUM_THREADS"] == "3"  # the user's choice wins over a share
+    assert distributed.local_run_env(2, threads=1)["OMP_NUM_THREADS"] == "1"  # a fixed count (the demo) wins
