@@ -37,7 +37,6 @@ RUNG_KEYS = ("min_tokens", "reduction_factor", "full_tokens")
 CONFIRM_KEYS = ("top_k", "seeds")
 SAMPLERS = ("grid", "tpe", "random")
 PRUNERS = ("asha", "hyperband")
-STATE_FILE = "search.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,26 +83,78 @@ def load_spec(path: str | Path) -> SearchSpec:
     """Read and check a search spec, field by field: a bad one is one line with its line and column."""
     doc = SpecFile(path, "search spec", SPEC_KEYS)
     spec = doc.data
+    config_path, overrides, base = _base_config(doc)
+    schedules, schedules_from, lr = _space(doc, base, overrides)
+    rungs = _rungs(doc, base.train.batch_tokens)
+    sampler = spec.get("sampler", "grid")
+    if sampler not in SAMPLERS:
+        raise doc.bad("sampler", f"use one of {', '.join(SAMPLERS)}")
+    trials = _positive_int(doc, "trials", default=len(schedules) if sampler == "grid" else None)
+    if sampler == "grid" and trials > len(schedules):
+        raise doc.bad("trials", f"the grid sampler has {len(schedules)} schedules to try; ask for at most that")
+    pruner = spec.get("pruner", "asha")
+    if pruner not in PRUNERS:
+        raise doc.bad("pruner", f"use {' or '.join(PRUNERS)}")
+    if spec.get("executor", "local") not in ("local", "slurm"):
+        raise doc.bad("executor", "use local or slurm")
+    if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
+        raise doc.bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
+    check_slurm_section(doc)
+    confirm = _mapping(doc, "confirm", CONFIRM_KEYS, required=False)
+    top_k = _positive_int(doc, "confirm.top_k", default=0) if confirm else 0
+    seeds = _positive_int(doc, "confirm.seeds", default=3) if confirm else 0
+    if top_k > trials:
+        raise doc.bad("confirm.top_k", f"cannot exceed trials={trials}")
+    name = spec.get("name", doc.path.stem)
+    folder = Path(spec["folder"]) if "folder" in spec else Path(base.run.output_dir) / "searches" / name
+    return SearchSpec(
+        path=doc.path,
+        name=name,
+        config_path=config_path,
+        overrides=overrides,
+        folder=folder.expanduser().resolve(),
+        schedules=schedules,
+        schedules_from=schedules_from,
+        lr=lr,
+        rungs=rungs,
+        trials=trials,
+        concurrency=_positive_int(doc, "concurrency", default=1),
+        sampler=sampler,
+        pruner=pruner,
+        seed=_positive_int(doc, "seed", default=0, minimum=0),
+        executor=spec.get("executor", "local"),
+        nproc_per_node=int(spec.get("nproc_per_node", 0)),
+        slurm=dict(spec.get("slurm") or {}),
+        confirm_top_k=top_k,
+        confirm_seeds=seeds,
+        base=base,
+    )
 
-    def positive_int(key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = doc.value(key)
-        if value is None and default is not None:
-            return default
-        if not (is_int(value) and value >= minimum):
-            raise doc.bad(key, f"must be an integer >= {minimum}")
-        return value
 
-    def mapping(key: str, keys: tuple[str, ...], required: bool) -> dict[str, Any]:
-        value = doc.value(key)
-        if value is None and not required:
-            return {}
-        if not isinstance(value, dict):
-            raise doc.bad(key, f"must be a mapping of {', '.join(keys)}")
-        unknown = sorted(str(k) for k in value if k not in keys)
-        if unknown:
-            raise doc.error(f"{key}.{unknown[0]}", f"unknown key {key}.{unknown[0]}; allowed: {', '.join(keys)}", True)
-        return value
+def _positive_int(doc: SpecFile, key: str, default: int | None = None, minimum: int = 1) -> int:
+    value = doc.value(key)
+    if value is None and default is not None:
+        return default
+    if not (is_int(value) and value >= minimum):
+        raise doc.bad(key, f"must be an integer >= {minimum}")
+    return value
 
+
+def _mapping(doc: SpecFile, key: str, keys: tuple[str, ...], required: bool) -> dict[str, Any]:
+    value = doc.value(key)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise doc.bad(key, f"must be a mapping of {', '.join(keys)}")
+    unknown = sorted(str(k) for k in value if k not in keys)
+    if unknown:
+        raise doc.error(f"{key}.{unknown[0]}", f"unknown key {key}.{unknown[0]}; allowed: {', '.join(keys)}", True)
+    return value
+
+
+def _base_config(doc: SpecFile) -> tuple[Path, list[str], config.Config]:
+    """The preset, the spec's overrides as a list, and the config they load to (a prism arm, tracked)."""
+    spec = doc.data
     for key in ("name", "folder", "config"):
         if key in spec and not (isinstance(spec[key], str) and spec[key]):
             raise doc.bad(key, "must be a non-empty string")
@@ -124,29 +175,37 @@ def load_spec(path: str | Path) -> SearchSpec:
         raise doc.bad("config", "a schedule search needs a prism-arm config (the uniform arm has one schedule)")
     if not base.tracking.enabled:
         raise doc.error("overrides", "tracking.enabled is false: the search reads its trials' val loss from tracking")
+    return config_path, overrides, base
 
-    space = mapping("space", SPACE_KEYS, required=True)
+
+def _space(
+    doc: SpecFile, base: config.Config, overrides: list[str]
+) -> tuple[list[str], str, tuple[float, float] | None]:
+    """space: the schedules to try (and how the list was made), and the lr range when the search has one."""
+    space = _mapping(doc, "space", SPACE_KEYS, required=True)
     schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", sweep.ALL_VALID), overrides)
-    lr = None
-    if space.get("lr") is not None:
-        bounds = mapping("space.lr", ("low", "high"), required=True)
-        low, high = bounds.get("low"), bounds.get("high")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (low, high)):
-            raise doc.bad("space.lr", "give positive numbers low and high, e.g. {low: 3.0e-4, high: 3.0e-3}")
-        if not low < high:
-            raise doc.bad("space.lr", "low must be below high")
-        lr = (float(low), float(high))
+    if space.get("lr") is None:
+        return schedules, schedules_from, None
+    bounds = _mapping(doc, "space.lr", ("low", "high"), required=True)
+    low, high = bounds.get("low"), bounds.get("high")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (low, high)):
+        raise doc.bad("space.lr", "give positive numbers low and high, e.g. {low: 3.0e-4, high: 3.0e-3}")
+    if not low < high:
+        raise doc.bad("space.lr", "low must be below high")
+    return schedules, schedules_from, (float(low), float(high))
 
-    mapping("rungs", RUNG_KEYS, required=True)
+
+def _rungs(doc: SpecFile, batch: int) -> Rungs:
+    """rungs: whole steps of the batch, the full budget min_tokens x reduction_factor^k (k >= 1)."""
+    _mapping(doc, "rungs", RUNG_KEYS, required=True)
     for key in RUNG_KEYS:
-        if key not in spec["rungs"]:
+        if key not in doc.data["rungs"]:
             raise doc.error("rungs", f"rungs.{key} is missing; rungs need {', '.join(RUNG_KEYS)}")
     rungs = Rungs(
-        positive_int("rungs.min_tokens"),
-        positive_int("rungs.reduction_factor", minimum=2),
-        positive_int("rungs.full_tokens"),
+        _positive_int(doc, "rungs.min_tokens"),
+        _positive_int(doc, "rungs.reduction_factor", minimum=2),
+        _positive_int(doc, "rungs.full_tokens"),
     )
-    batch = base.train.batch_tokens
     if rungs.min_tokens % batch:
         raise doc.bad("rungs.min_tokens", f"must be a whole number of steps of train.batch_tokens={batch}")
     if rungs.points[-1] != rungs.full_tokens or len(rungs.points) < 2:
@@ -155,50 +214,7 @@ def load_spec(path: str | Path) -> SearchSpec:
             "rungs.full_tokens",
             f"must be min_tokens x reduction_factor^k with k >= 1 (e.g. {below:,} or {rungs.points[-1]:,})",
         )
-
-    sampler = spec.get("sampler", "grid")
-    if sampler not in SAMPLERS:
-        raise doc.bad("sampler", f"use one of {', '.join(SAMPLERS)}")
-    trials = positive_int("trials", default=len(schedules) if sampler == "grid" else None)
-    if sampler == "grid" and trials > len(schedules):
-        raise doc.bad("trials", f"the grid sampler has {len(schedules)} schedules to try; ask for at most that")
-    pruner = spec.get("pruner", "asha")
-    if pruner not in PRUNERS:
-        raise doc.bad("pruner", f"use {' or '.join(PRUNERS)}")
-    if spec.get("executor", "local") not in ("local", "slurm"):
-        raise doc.bad("executor", "use local or slurm")
-    if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
-        raise doc.bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
-    check_slurm_section(doc)
-    confirm = mapping("confirm", CONFIRM_KEYS, required=False)
-    top_k = positive_int("confirm.top_k", default=0) if confirm else 0
-    seeds = positive_int("confirm.seeds", default=3) if confirm else 0
-    if top_k > trials:
-        raise doc.bad("confirm.top_k", f"cannot exceed trials={trials}")
-    name = spec.get("name", doc.path.stem)
-    folder = Path(spec["folder"]) if "folder" in spec else Path(base.run.output_dir) / "searches" / name
-    return SearchSpec(
-        path=doc.path,
-        name=name,
-        config_path=config_path,
-        overrides=overrides,
-        folder=folder.expanduser().resolve(),
-        schedules=schedules,
-        schedules_from=schedules_from,
-        lr=lr,
-        rungs=rungs,
-        trials=trials,
-        concurrency=positive_int("concurrency", default=1),
-        sampler=sampler,
-        pruner=pruner,
-        seed=positive_int("seed", default=0, minimum=0),
-        executor=spec.get("executor", "local"),
-        nproc_per_node=int(spec.get("nproc_per_node", 0)),
-        slurm=dict(spec.get("slurm") or {}),
-        confirm_top_k=top_k,
-        confirm_seeds=seeds,
-        base=base,
-    )
+    return rungs
 
 
 def expand_schedules(doc: SpecFile, base: config.Config, value: Any, overrides: list[str]) -> tuple[list[str], str]:
