@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline.console import duration
 
@@ -70,18 +71,12 @@ def find_presets(preset_dir: str | Path | None = None) -> Path:
 
 def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
-    from pipeline.config import ConfigError, changed_keys, preset_name
-    from pipeline.grid import expand_grid, finished_run_ids
+    from pipeline.grid import finished_run_ids
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
-    folder = find_presets(preset_dir)
-    presets = [folder / preset_name(arm, "tiny") for arm in ARMS]
-    runs = dict(zip(ARMS, expand_grid(presets, overrides=[*DEMO_OVERRIDES, *overrides])))
+    runs = demo_runs(overrides, preset_dir)
     cfgs = {arm: run.cfg for arm, run in runs.items()}
-    differ = changed_keys(cfgs["uniform"].to_dict(), cfgs["prism"].to_dict(), SHARED_KEYS)
-    if differ:
-        raise ConfigError(f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}")
     cfg = cfgs["prism"]
     steps = cfg.steps(1)["total"]
     say(
@@ -97,8 +92,6 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
         say(f"  library output (warnings, MLflow, datatrove) -> {log_file()}; `prism demo --verbose` shows it here")
 
     say("[1/4] data: embedded corpus + BPE tokenizer + prism prepare")
-    # data_prep.build directly: an editable install made before data_prep/__init__.py existed sees a
-    # namespace package (no `prepare` attribute) when run from outside the repo.
     from data_prep.build import prepare
 
     manifest = prepare(cfg)
@@ -124,7 +117,37 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     print(result["table"])
     for p in result["paths"]:
         print(f"  {p}")
-    entropy, cross, tokens = unigram_entropy(Path(manifest))
+    print_baselines(result, Path(manifest))
+    print(
+        f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
+        f"tick both runs, Compare."
+    )
+    from pipeline.export.generate import demo_continuations
+
+    print(f"\n{demo_continuations({arm: cfgs[arm].checkpoint_dir for arm in ARMS})}")
+    say(f"prism demo: done in {duration(time.monotonic() - t0)}")
+    return 0
+
+
+def demo_runs(overrides: list[str], preset_dir: str | Path | None = None) -> dict[str, Any]:
+    """Each arm's GridRun from the tiny presets, the demo's overrides and the user's; the arms must share
+    data, seed and budget (SHARED_KEYS) or the comparison would mean nothing."""
+    from pipeline.config import ConfigError, changed_keys, preset_name
+    from pipeline.grid import expand_grid
+
+    folder = find_presets(preset_dir)
+    presets = [folder / preset_name(arm, "tiny") for arm in ARMS]
+    runs = dict(zip(ARMS, expand_grid(presets, overrides=[*DEMO_OVERRIDES, *overrides])))
+    differ = changed_keys(runs["uniform"].cfg.to_dict(), runs["prism"].cfg.to_dict(), SHARED_KEYS)
+    if differ:
+        raise ConfigError(f"the demo arms must share data, seed and budget; they differ in {', '.join(differ)}")
+    return runs
+
+
+def print_baselines(result: dict[str, Any], manifest: Path) -> None:
+    """Each arm's final val loss against the unigram model of the training tokens (what a model that learned
+    nothing beyond token frequencies scores)."""
+    entropy, cross, tokens = unigram_entropy(manifest)
     finals = {r["arm"]: r["final_val_loss_mean"] for r in result["rows"]}
     print(
         f"\nUnigram entropy of the {tokens:,} training tokens: {entropy:.3f} nats "
@@ -136,15 +159,6 @@ def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
         print(f"  final val loss {arm:>7}: {finals[arm]:.3f}  ({abs(gap):.3f} nats {where} the unigram baseline)")
     if not all(finals[a] < cross for a in ARMS if not math.isnan(finals[a])):
         print("  note: a val loss is not below the unigram baseline: the budget is too small to learn context")
-    print(
-        f"\nMLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri}  -> experiment {cfg.experiment}, "
-        f"tick both runs, Compare."
-    )
-    from pipeline.export.generate import demo_continuations
-
-    print(f"\n{demo_continuations({arm: cfgs[arm].checkpoint_dir for arm in ARMS})}")
-    say(f"prism demo: done in {duration(time.monotonic() - t0)}")
-    return 0
 
 
 # Each arm trains on one thread, alone or beside the other: fp32 results on CPU depend on the thread count

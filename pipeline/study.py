@@ -78,54 +78,7 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
 
     for dataset_dir in sorted({r.cfg.data.dataset_dir for r in runs}):  # builds, resumes or reuses it
         prepare(next(r.cfg for r in runs if r.cfg.data.dataset_dir == dataset_dir))
-    from pipeline.distributed import local_run_env
-
-    env = local_run_env(jobs) if jobs > 1 else {**os.environ, "PYTHONUNBUFFERED": "1"}
-    running: list[tuple[str, list[str], subprocess.Popen, Any]] = []
-    failed: list[str] = []
-
-    def reap(block: bool) -> None:
-        for item in list(running):
-            name, cmd, proc, log = item
-            if block or proc.poll() is not None:
-                rc = proc.wait()
-                if log is not None:
-                    log.close()
-                running.remove(item)
-                print(
-                    f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{duration(time.monotonic() - t0)} so far]",
-                    flush=True,
-                )
-                if rc != 0:
-                    failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
-
-    finished = finished_run_ids([r.cfg for r in runs])
-    for i, (run, done) in enumerate(zip(runs, finished), start=1):
-        c = run.cfg
-        head = f"[{i}/{len(runs)}] {c.run_name} (schedule {c.schedule.heads})"
-        if done:
-            print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
-            continue
-        while len(running) >= jobs:
-            reap(block=False)
-            time.sleep(1.0)
-        cmd = run.train_command()
-        if jobs == 1:
-            print(f"{head} -> {c.run_dir}  [{duration(time.monotonic() - t0)} so far]", flush=True)
-            running.append((c.run_name, cmd, subprocess.Popen(cmd, env=env), None))
-            reap(block=True)
-        else:
-            log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = log_path.open("a")
-            print(
-                f"{head} -> {c.run_dir}, console in {log_path}  [{duration(time.monotonic() - t0)} so far]", flush=True
-            )
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((c.run_name, cmd, proc, log))
-        if failed:
-            break
-    reap(block=True)
+    failed = train_runs(runs, jobs, t0)
     if failed:
         print(f"prism study: {'; '.join(failed)}; rerun the study to resume", flush=True)
         return 1
@@ -136,3 +89,64 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
         print(f"wrote {p}")
     print(f"prism study: done in {duration(time.monotonic() - t0)}", flush=True)
     return 0
+
+
+class _Running:
+    """The `prism train` processes of a study in flight, at most ``jobs`` at a time."""
+
+    def __init__(self, jobs: int, t0: float):
+        from pipeline.distributed import local_run_env
+
+        self.jobs, self.t0 = jobs, t0
+        self.env = local_run_env(jobs) if jobs > 1 else {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[tuple[str, list[str], subprocess.Popen, Any]] = []
+        self.failed: list[str] = []
+
+    def start(self, run: GridRun, head: str) -> None:
+        while len(self.procs) >= self.jobs:
+            self.reap(block=False)
+            time.sleep(1.0)
+        c, cmd = run.cfg, run.train_command()
+        so_far = duration(time.monotonic() - self.t0)
+        if self.jobs == 1:  # in turn: its console is this one
+            print(f"{head} -> {c.run_dir}  [{so_far} so far]", flush=True)
+            self.procs.append((c.run_name, cmd, subprocess.Popen(cmd, env=self.env), None))
+            self.reap(block=True)
+            return
+        log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("a")
+        print(f"{head} -> {c.run_dir}, console in {log_path}  [{so_far} so far]", flush=True)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append((c.run_name, cmd, proc, log))
+
+    def reap(self, block: bool) -> None:
+        for item in list(self.procs):
+            name, cmd, proc, log = item
+            if block or proc.poll() is not None:
+                rc = proc.wait()
+                if log is not None:
+                    log.close()
+                self.procs.remove(item)
+                print(
+                    f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{duration(time.monotonic() - self.t0)} so far]",
+                    flush=True,
+                )
+                if rc != 0:
+                    self.failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
+
+
+def train_runs(runs: list[GridRun], jobs: int, t0: float) -> list[str]:
+    """Train every run not yet finished, ``jobs`` at a time, stopping at the first failure (the running ones
+    finish); returns what failed, each as the command and its exit code."""
+    running = _Running(jobs, t0)
+    for i, (run, done) in enumerate(zip(runs, finished_run_ids([r.cfg for r in runs])), start=1):
+        head = f"[{i}/{len(runs)}] {run.cfg.run_name} (schedule {run.cfg.schedule.heads})"
+        if done:
+            print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
+            continue
+        running.start(run, head)
+        if running.failed:
+            break
+    running.reap(block=True)
+    return running.failed
