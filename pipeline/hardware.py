@@ -10,7 +10,7 @@ People type shorter names (`prism plan --gpu H200`): `find_gpu` matches them by 
 that could mean two different peaks.
 
 FLOP conventions (both logged): `mfu` counts attention's score and weighted-sum matmuls in full
-(PaLM's convention, pipeline.model.flops_per_token); `mfu_causal` halves them, since a causal mask needs
+(PaLM's convention); `mfu_causal` halves them (pipeline.model_size.flops_per_token(causal=True)): a causal mask needs
 only the lower triangle (Megatron's and llm.c's counting).
 """
 
@@ -111,12 +111,3 @@ def device_peak_flops(override: float | None, device: str) -> float | None:
         _UNKNOWN_LOGGED.add(name)
         log.warning("mfu: no bf16 peak known for GPU %r, MFU is not logged; set train.peak_flops to log it", name)
     return peak
-
-
-def causal_attention_discount(flops_per_token_full: int, heads: tuple[int, ...], d_model: int, seq_len: int) -> int:
-    """Training FLOPs per token with attention's two matmuls halved (causal convention), from the full count.
-
-    Per layer the full count has 2 * 2 * h_l * d_h * seq_len forward attention FLOPs (h_l * d_h = d_model);
-    forward + backward is 3x that; the causal count keeps half of it."""
-    attention_full = 3 * sum(2 * 2 * h * (d_model // h) * seq_len for h in heads)
-    return flops_per_token_full - attention_full // 2

@@ -46,10 +46,22 @@ def layer_flops(d_model: int, ffn_hidden: int, heads: int, seq_len: int, *, gate
 
 
 def training_flops_per_token(
-    heads: Sequence[int], d_model: int, ffn_hidden: int, seq_len: int, vocab: int, *, gated: bool = True
+    heads: Sequence[int],
+    d_model: int,
+    ffn_hidden: int,
+    seq_len: int,
+    vocab: int,
+    *,
+    gated: bool = True,
+    causal: bool = False,
 ) -> int:
-    """Forward + backward (x3) FLOPs per token: every block plus the logits projection over ``vocab``."""
-    per_layer = sum(sum(layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated).values()) for h in heads)
+    """Forward + backward (x3) FLOPs per token: every block plus the logits projection over ``vocab``.
+    ``causal``: attention's two matmuls halved, as a causal mask needs half of them (Megatron's and llm.c's
+    convention, perf/mfu_causal; pipeline.hardware says why both are logged)."""
+    per_layer = 0
+    for h in heads:
+        flops = layer_flops(d_model, ffn_hidden, h, seq_len, gated=gated)
+        per_layer += sum(flops.values()) - (flops["attention"] // 2 if causal else 0)
     return 3 * (per_layer + 2 * d_model * vocab)
 
 
@@ -79,9 +91,9 @@ def parameter_count(cfg: Config, heads: Sequence[int] | None = None) -> int:
     return blocks + embedding + output + m.d_model + norm_bias  # + the final norm
 
 
-def flops_per_token(cfg: Config, heads: Sequence[int] | None = None) -> int:
+def flops_per_token(cfg: Config, heads: Sequence[int] | None = None, *, causal: bool = False) -> int:
     """Training FLOPs per token (``heads`` default: the config's schedule), each layer with its own h_l *
-    d_h, plus the logits over the padded vocab: what MFU divides by."""
+    d_h, plus the logits over the padded vocab: what MFU divides by (``causal``: perf/mfu_causal's count)."""
     m = cfg.model
     return training_flops_per_token(
         cfg.heads_per_layer if heads is None else heads,
@@ -90,4 +102,5 @@ def flops_per_token(cfg: Config, heads: Sequence[int] | None = None) -> int:
         m.seq_len,
         padded_vocab(cfg),
         gated=_gated(cfg),
+        causal=causal,
     )

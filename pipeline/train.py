@@ -154,13 +154,9 @@ def optimizer_stepped(engine: Any, optimizer: Any) -> str:
 def mfu(cfg: Config, tokens_per_sec: float, peak: float | None, gpus: int) -> dict[str, float]:
     """perf/mfu (attention's matmuls counted in full, pipeline.model_size) and perf/mfu_causal (halved for the
     causal mask, Megatron's / llm.c's convention; pipeline.hardware explains both); none without a peak."""
-    from pipeline.hardware import causal_attention_discount
-
     if not peak:
         return {}
-    m = cfg.model
-    full = model_size.flops_per_token(cfg)
-    causal = causal_attention_discount(full, cfg.heads_per_layer, m.d_model, m.seq_len)
+    full, causal = model_size.flops_per_token(cfg), model_size.flops_per_token(cfg, causal=True)
     return {
         "perf/mfu": full * tokens_per_sec / (peak * gpus),
         "perf/mfu_causal": causal * tokens_per_sec / (peak * gpus),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import config
-from pipeline.hardware import PEAK_BF16_FLOPS, causal_attention_discount, peak_bf16_flops
+from pipeline.hardware import PEAK_BF16_FLOPS, peak_bf16_flops
 
 
 @pytest.mark.parametrize(
@@ -75,4 +75,5 @@ def test_causal_convention_halves_attention_only():
     proj, attn, mlp, logits = 8 * d * d, 4 * d * seq, 6 * d * ffn, 2 * d * vocab
     full = model_size.training_flops_per_token([4], d, ffn, seq, vocab)
     assert full == 3 * (proj + attn + mlp + logits)
-    assert causal_attention_discount(full, (4,), d, seq) == 3 * (proj + attn // 2 + mlp + logits)
+    causal = model_size.training_flops_per_token([4], d, ffn, seq, vocab, causal=True)
+    assert causal == 3 * (proj + attn // 2 + mlp + logits)
