@@ -164,14 +164,27 @@ class TrainJob(submitit.helpers.Checkpointable):
         if proc is not None and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)  # torchrun hands it to the workers; the trainer checkpoints
             deadline = time.monotonic() + self.grace_s + 15
-            while time.monotonic() < deadline:
-                pid, _ = os.waitpid(proc.pid, os.WNOHANG)
-                if pid:
+            while not _reaped(proc):
+                if time.monotonic() > deadline:
+                    proc.kill()
                     break
                 time.sleep(0.2)
-            else:
-                proc.kill()
         return super().checkpoint(*args, **kwargs)
+
+
+def _reaped(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has exited, reaping it without Popen's lock: this runs in a signal handler that may
+    have interrupted the job's own poll() while it held that lock. The same signal from `scancel` often
+    reaches torchrun too, so it can already be dead, and reaped by send_signal's own poll()."""
+    if proc.returncode is not None:
+        return True
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere: nothing is left to wait for
+        return True
+    if pid:
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return bool(pid)
 
 
 def node_address(node: str) -> str:

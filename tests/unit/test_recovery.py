@@ -82,3 +82,21 @@ def test_the_exit_record_has_one_reader():
         assert parse_exit_record(torn) is None, torn
     # the job script's restart decision reads a torn record as none: the step `latest` names counts
     assert decide("crashed", 1, [], 6, 3, "d").step == 6
+
+
+def test_a_sweep_job_checkpoints_when_torchrun_died_of_the_same_signal(tmp_path):
+    """scancel's signal reaches torchrun as well as submitit: torchrun can be dead, unreaped, when the handler
+    runs; Popen.send_signal then reaps it, and the handler must still hand submitit its requeue."""
+    import os
+    import subprocess
+    import sys
+
+    from launchers.sweep import TrainJob
+
+    job = TrainJob("configs/tiny_prism.yaml", ["train.seed=3"], grace_s=1)
+    job._proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, job._proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    assert job._proc.returncode is None
+    requeued = job.checkpoint()
+    assert job._proc.returncode == 0
+    assert requeued.function is job and "_proc" not in job.__getstate__()
