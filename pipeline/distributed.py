@@ -122,9 +122,29 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800) -> None:
     else:
         torch.cuda.set_device(torch.device(where.device))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        die_with_launcher()
         dist.init_process_group(where.backend, timeout=datetime.timedelta(seconds=timeout_s))
     else:  # one process: an in-process store, no MASTER_ADDR needed
         dist.init_process_group(where.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun: the kernel SIGKILLs this worker when its agent dies (Linux PR_SET_PDEATHSIG).
+
+    torchrun kills its workers after their grace, but Slurm can signal a step's processes twice, and the
+    second signal kills torchrun inside that grace: a hung rank, which ignores SIGTERM, was then orphaned. It
+    held its GPU and the step's output, and proctrack/linuxproc's KillWait does not reach an orphan, so the
+    step ended only when slurmstepd gave up on its output 60 s later (and the rank lived on)."""
+    import sys
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    agent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != agent:  # the agent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def deepspeed_device_args() -> Any:
