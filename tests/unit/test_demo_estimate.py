@@ -7,6 +7,7 @@ import pytest
 
 from pipeline import config, demo
 from pipeline.console import duration
+from pipeline.eval_plan import aside_cost
 
 
 def feed(timing, monkeypatch, lines):
@@ -38,11 +39,12 @@ def test_estimate_is_measured_from_the_first_steps(at_once, monkeypatch, capsys)
         ]
     feed(timing, monkeypatch, lines)
     out = capsys.readouterr().out
-    val_tokens = cfg.train.val_tokens + cfg.data.val_sets["heldout"].tokens  # both of the preset's sets
-    val_share = val_tokens / (3 * cfg.train.val_every * cfg.train.batch_tokens)  # forward ~ 1/3 a step
+    # The share of validations and evals is eval_plan's answer (tested there), read here, not re-derived.
+    aside = aside_cost(cfg, total)["share"]
+    assert 0 < aside < 0.5  # the preset validates two sets and evals during the run: they must count
     if at_once == 2:  # side by side: the slower arm (2 s a step) decides
-        left, now = (total - 10) * 2.0 * (1 + val_share), 44.0
+        left, now = (total - 10) * 2.0 / (1 - aside), 44.0
     else:  # in turn: uniform's rest, then prism from launch (uniform's start-up of 20 s + its steps)
-        left, now = (total - 10) * (1 + val_share) + 20.0 + total * (1 + val_share), 34.0
+        left, now = (total - 10) / (1 - aside) + 20.0 + total / (1 - aside), 34.0
     assert out.count("estimate from the first steps") == 1
     assert f"training done in about {duration(left)}, the demo in about {duration(now + left)} in all" in out
