@@ -70,8 +70,20 @@ def latest_per_step(history: list[Any]) -> dict[int, float]:
     return {step: best[step][2] for step in sorted(best)}
 
 
-# Params that, with the seed, fix which batches a run sees in which order (pipeline.data).
-DATA_ORDER_PARAMS = ("data.dataset_dir", "train.batch_tokens", "train.micro_batch_size", "model.seq_len")
+# Params that, with the seed, fix which batches a run sees in which order: pipeline.data deals shards to DP
+# ranks, so the DP size (logged by the trainer as parallel/dp_size, the size it started at) is one of them.
+DATA_ORDER_PARAMS = (
+    "data.dataset_dir",
+    "train.batch_tokens",
+    "train.micro_batch_size",
+    "model.seq_len",
+    "parallel/dp_size",
+)
+
+
+def data_order(params: dict[str, str]) -> str:
+    """What a run's logged params say about its batch sequence: equal strings and equal seeds pair two runs."""
+    return "|".join(params.get(k, "?") for k in DATA_ORDER_PARAMS)
 
 
 def throughput(history: list[Any]) -> tuple[float, tuple[float, float]]:
@@ -163,7 +175,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
                 tps,
                 milestones,
                 schedule=tags.get("schedule", ""),
-                data_order="|".join(params.get(k, "?") for k in DATA_ORDER_PARAMS),
+                data_order=data_order(params),
                 host=tags.get("hostname", ""),
                 span=span,
                 evals=evals,

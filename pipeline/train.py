@@ -606,9 +606,14 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
 
     tracker = make_tracker(cfg, dist.get_rank())
     state.run_id = tracker.start(cfg, run_id=state.run_id)
-    # the data budget of this start: constants, so params (not chart metrics)
+    # the data budget and DP size of this start: constants, so params (not chart metrics); the DP size is part
+    # of the data order, which `prism compare` pairs seeds by
     tracker.log_params(
-        {"data/epochs": round(epochs, 4), "data/tokens_per_epoch": budget.tokens_per_epoch(manifest, dp_size)}
+        {
+            "data/epochs": round(epochs, 4),
+            "data/tokens_per_epoch": budget.tokens_per_epoch(manifest, dp_size),
+            "parallel/dp_size": dp_size,
+        }
     )
     run = Run(
         cfg,

@@ -98,7 +98,9 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         )
         rid = run.info.run_id
         assert run.info.status == "FINISHED" and run.info.run_name == cfg.run_name
-        assert set(run.data.params) == set(flatten(cfg.to_dict())) | {"data/epochs", "data/tokens_per_epoch"}
+        extra = {"data/epochs", "data/tokens_per_epoch", "parallel/dp_size"}
+        assert set(run.data.params) == set(flatten(cfg.to_dict())) | extra
+        assert run.data.params["parallel/dp_size"] == "1"
         manifest = read_manifest(cfg.data.dataset_dir)
         assert run.data.params["data/tokens_per_epoch"] == str(budget.tokens_per_epoch(manifest, 1))
         assert run.data.params["schedule.heads"] == cfg.schedule.heads

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from scipy import stats
 
-from pipeline.compare import RunSeries, markdown, shared_machine, summarize, throughput
+from pipeline.compare import RunSeries, data_order, markdown, shared_machine, summarize, throughput
 
 ORDER = "ds|2048|4|256"
 
@@ -108,3 +108,16 @@ def test_plots_one_curve_per_schedule_with_measured_points(tmp_path):
     paths = plot(runs, tmp_path)
     assert [p.name for p in paths] == ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_the_data_parallel_size_is_part_of_the_data_order():
+    """pipeline.data deals shards to DP ranks: the same seed at DP 1 and DP 2 sees other batches, so is not a pair."""
+    params = {"data.dataset_dir": "ds", "train.batch_tokens": "2048", "train.micro_batch_size": "4"}
+    params["model.seq_len"] = "256"
+    one, two = data_order({**params, "parallel/dp_size": "1"}), data_order({**params, "parallel/dp_size": "2"})
+    assert one != two and one == data_order({**params, "parallel/dp_size": "1"})
+    uni = [run("uniform", s, v, order=one) for s, v in ((1, 5.8), (2, 5.9), (3, 5.85))]
+    prism = [run("prism", s, v, "3x2,6x2,12x4", order=two) for s, v in ((1, 5.7), (2, 5.75), (3, 5.8))]
+    assert summarize(uni + prism)[1]["delta_test"] == "welch"
+    prism = [run("prism", s, v, "3x2,6x2,12x4", order=one) for s, v in ((1, 5.7), (2, 5.75), (3, 5.8))]
+    assert summarize(uni + prism)[1]["delta_test"] == "paired"
