@@ -2,6 +2,7 @@
 
     python -m launchers.recovery HISTORY_FILE EXIT_STATUS EXIT_RECORD CONFIG [overrides...]
     python -m launchers.recovery --diagnostics CONFIG [overrides...]   # prints the run's diagnostics folder
+    python -m launchers.recovery --torchrun-env GRACE_S                  # prints KEY=VALUE lines to export
 
 A crash (exit record `crashed STEP`: a Python exception), an infrastructure fault (`infra STEP`: a lost rank,
 a timed-out collective, checkpoint writes failing in a row) or a step that died without a record (a killed or
@@ -27,6 +28,10 @@ from pathlib import Path
 from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA, parse_exit_record
 
 MAX_RESTARTS = 3  # default of PRISM_MAX_RESTARTS (the module docstring says why)
+
+# The signals torchrun hands on to its workers. A pre-timeout or preemption USR1/USR2 would otherwise kill
+# torchrun (their default action), and with it its workers before they checkpoint.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 WHAT = {
     "infra": "infrastructure fault (a lost rank, a timed-out collective or failing checkpoint writes)",
@@ -76,7 +81,31 @@ def decide(record: str, status: int, history: list[int], latest_step: int, max_r
     )
 
 
+def torchrun_env(grace_s: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What torchrun needs to stop its workers gracefully: the signals it forwards to them and how long it
+    waits for their checkpoint before SIGKILL (its own default is 30 s). Both train_job.sh and sweep jobs use it.
+
+    torchrun with a `--signals-to-handle` flag (2.13 here) takes the flag's default from PET_SIGNALS_TO_HANDLE
+    and overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with it; older ones read only the latter: set both. A list
+    the user exported already wins."""
+    environ = os.environ if environ is None else environ
+    signals = environ.get("PET_SIGNALS_TO_HANDLE") or environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE") or TORCHRUN_SIGNALS
+    return {
+        "PET_SIGNALS_TO_HANDLE": signals,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals,
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s),
+    }
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--torchrun-env"]:
+        grace = argv[1] if len(argv) > 1 else ""
+        if not grace.isdigit():
+            print(f"train_job: error: PRISM_SHUTDOWN_GRACE={grace!r} is not a number of seconds >= 0", flush=True)
+            return EXIT_BAD_INPUT
+        for key, value in torchrun_env(int(grace)).items():
+            print(f"{key}={value}")
+        return 0
     from pipeline import checkpoint, config
     from pipeline.distributed import diagnostics_dir
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import submitit
 
+from launchers import recovery
 from launchers.spec import SpecFile, check_slurm_section, is_int
 from pipeline import config, schedule
 from pipeline.atomic import write_atomic
@@ -144,8 +145,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self.grace_s),
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+            **recovery.torchrun_env(self.grace_s),
         }
         cmd = self.command()
         print("sweep job:", " ".join(cmd), flush=True)

@@ -74,10 +74,10 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-# torchrun forwards only the signals it handles; USR1/USR2 would otherwise kill it without a checkpoint.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2}
-# How long torchrun waits for workers to finish their checkpoint before SIGKILL (its default is 30 s).
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${PRISM_SHUTDOWN_GRACE:-150}
+# The signals torchrun forwards to its workers (USR1/USR2 would otherwise kill it, and them, without a
+# checkpoint) and how long it waits for their checkpoint before SIGKILL (PRISM_SHUTDOWN_GRACE, default 150 s).
+torchrun_env=$(python -m launchers.recovery --torchrun-env "${PRISM_SHUTDOWN_GRACE:-150}") || exit 2
+while IFS= read -r kv; do export "$kv"; done <<<"$torchrun_env"
 export PYTHONUNBUFFERED=1
 
 read -r -a overrides <<<"${PRISM_OVERRIDES:-}"

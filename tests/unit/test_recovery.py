@@ -100,3 +100,19 @@ def test_a_sweep_job_checkpoints_when_torchrun_died_of_the_same_signal(tmp_path)
     requeued = job.checkpoint()
     assert job._proc.returncode == 0
     assert requeued.function is job and "_proc" not in job.__getstate__()
+
+
+def test_torchrun_gets_its_signals_through_both_variables_and_a_bad_grace_is_refused(capsys):
+    from launchers import recovery
+
+    default = recovery.torchrun_env(150, {})
+    assert "SIGUSR1" in default["PET_SIGNALS_TO_HANDLE"].split(",") and "SIGUSR2" in default["PET_SIGNALS_TO_HANDLE"]
+    assert default["TORCHELASTIC_SIGNALS_TO_HANDLE"] == default["PET_SIGNALS_TO_HANDLE"]
+    assert default["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "150"
+    # a list the user exported under either name reaches both readers
+    for name in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        mine = recovery.torchrun_env(5, {name: "SIGTERM,SIGUSR1"})
+        assert mine["PET_SIGNALS_TO_HANDLE"] == mine["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1", name
+    assert recovery.main(["--torchrun-env", "soon"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "PRISM_SHUTDOWN_GRACE='soon'" in out
