@@ -101,7 +101,8 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--torchrun-env"]:
         grace = argv[1] if len(argv) > 1 else ""
         if not grace.isdigit():
-            print(f"train_job: error: PRISM_SHUTDOWN_GRACE={grace!r} is not a number of seconds >= 0", flush=True)
+            # stderr: train_job.sh captures stdout for the KEY=VALUE lines
+            print(f"train_job: error: PRISM_SHUTDOWN_GRACE={grace!r} is not a number of seconds >= 0", file=sys.stderr)
             return EXIT_BAD_INPUT
         for key, value in torchrun_env(int(grace)).items():
             print(f"{key}={value}")

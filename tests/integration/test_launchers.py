@@ -325,6 +325,18 @@ def test_bad_layout_is_refused_in_one_line_before_srun(slurm_cluster, tiny_data,
     assert "Traceback" not in text and "torchrun" not in text and "requeue" not in text.replace("not requeueing", "")
 
 
+def test_a_bad_shutdown_grace_is_refused_in_one_line_before_srun(slurm_cluster, tiny_data, tmp_path):
+    log = tmp_path / "job.out"
+    env = {**_sbatch_env(tiny_data.overrides, log), "PRISM_SHUTDOWN_GRACE": "2m"}
+    job = slurm_cluster.sbatch("launchers/prism_757m.sbatch", env, ROOT)
+    slurm_cluster.wait_gone(job, 120)
+    text = log.read_text()
+    assert slurm_cluster.sacct(job) == "FAILED", text
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert len(errors) == 1 and "PRISM_SHUTDOWN_GRACE='2m'" in errors[0], text
+    assert "Traceback" not in text and "torchrun" not in text and "requeue" not in text
+
+
 def test_submitit_sweep_job_spans_two_nodes(slurm_cluster, mlflow_server, tiny_data, tmp_path):
     from launchers import sweep
 

@@ -114,5 +114,5 @@ def test_torchrun_gets_its_signals_through_both_variables_and_a_bad_grace_is_ref
         mine = recovery.torchrun_env(5, {name: "SIGTERM,SIGUSR1"})
         assert mine["PET_SIGNALS_TO_HANDLE"] == mine["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1", name
     assert recovery.main(["--torchrun-env", "soon"]) == 2
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "PRISM_SHUTDOWN_GRACE='soon'" in out
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "PRISM_SHUTDOWN_GRACE='soon'" in err
