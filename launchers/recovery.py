@@ -26,12 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA, parse_exit_record
+from pipeline.runs.launch import torchrun_env
 
 MAX_RESTARTS = 3  # default of PRISM_MAX_RESTARTS (the module docstring says why)
-
-# The signals torchrun hands on to its workers. A pre-timeout or preemption USR1/USR2 would otherwise kill
-# torchrun (their default action), and with it its workers before they checkpoint.
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 WHAT = {
     "infra": "infrastructure fault (a lost rank, a timed-out collective or failing checkpoint writes)",
@@ -79,22 +76,6 @@ def decide(record: str, status: int, history: list[int], latest_step: int, max_r
         0,
         step,
     )
-
-
-def torchrun_env(grace_s: int, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """What torchrun needs to stop its workers gracefully: the signals it forwards to them and how long it
-    waits for their checkpoint before SIGKILL (its own default is 30 s). Both train_job.sh and sweep jobs use it.
-
-    torchrun with a `--signals-to-handle` flag (2.13 here) takes the flag's default from PET_SIGNALS_TO_HANDLE
-    and overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with it; older ones read only the latter: set both. A list
-    the user exported already wins."""
-    environ = os.environ if environ is None else environ
-    signals = environ.get("PET_SIGNALS_TO_HANDLE") or environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE") or TORCHRUN_SIGNALS
-    return {
-        "PET_SIGNALS_TO_HANDLE": signals,
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals,
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s),
-    }
 
 
 def main(argv: list[str]) -> int:

@@ -71,7 +71,7 @@ def find_presets(preset_dir: str | Path | None = None) -> Path:
 
 def run_demo(overrides: list[str], preset_dir: str | Path | None = None) -> int:
     """Prepare, train both tiny arms, compare; returns the exit code (an arm's own when its training failed)."""
-    from pipeline.grid import finished_run_ids
+    from pipeline.runs.plan import finished_run_ids
     from pipeline.tracking.store import run_uri
 
     t0 = time.monotonic()
@@ -133,7 +133,7 @@ def demo_runs(overrides: list[str], preset_dir: str | Path | None = None) -> dic
     """Each arm's GridRun from the tiny presets, the demo's overrides and the user's; the arms must share
     data, seed and budget (SHARED_KEYS) or the comparison would mean nothing."""
     from pipeline.config import ConfigError, changed_keys, preset_name
-    from pipeline.grid import expand_grid
+    from pipeline.runs.plan import expand_grid
 
     folder = find_presets(preset_dir)
     presets = [folder / preset_name(arm, "tiny") for arm in ARMS]
@@ -180,34 +180,25 @@ def train_arms(commands: dict[str, list[str]], cfg, t0: float) -> int:
     """Run each arm's `prism train` (arms_at_once() at a time, one thread each), relaying its lines prefixed
     with the arm; print one estimate when every running arm has timed its first logged steps. Returns 0, or
     the exit code of the first arm that failed (the others still finish)."""
-    from pipeline.distributed import local_run_env
+    from pipeline.runs.launch import LocalPool
 
-    at_once, waiting = arms_at_once(), list(commands)
-    env = local_run_env(at_once, threads=THREADS_PER_ARM)
-    running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
-    timing = ArmTiming(cfg, t0, len(commands), at_once)
+    pool = LocalPool(arms_at_once(), threads=THREADS_PER_ARM)
+    timing = ArmTiming(cfg, t0, len(commands), pool.at_once)
     failed: list[int] = []
-    while waiting or running:
-        while waiting and len(running) < at_once:
-            arm = waiting.pop(0)
-            timing.started(arm)
-            proc = subprocess.Popen(
-                commands[arm], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-            )
-            relay = threading.Thread(target=timing.relay, args=(arm, proc), daemon=True)
-            relay.start()
-            running[arm] = (proc, relay)
-        time.sleep(0.2)
-        for arm, (proc, relay) in list(running.items()):
-            if proc.poll() is None:
-                continue
+    for arm, cmd in commands.items():
+        pool.wait_for_slot()
+        timing.started(arm)
+        relay = threading.Thread(target=timing.relay, args=(arm,), daemon=True)
+
+        def ended(rc: int, arm: str = arm, relay: threading.Thread = relay) -> None:
             relay.join()
-            del running[arm]
-            if proc.returncode != 0:
-                say(
-                    f"prism demo: `{' '.join(commands[arm][2:])}` exited with {proc.returncode}; rerun `make demo` to resume it"
-                )
-                failed.append(proc.returncode)
+            if rc != 0:
+                say(f"prism demo: `{' '.join(commands[arm][2:])}` exited with {rc}; rerun `make demo` to resume it")
+                failed.append(rc)
+
+        timing.procs[arm] = pool.start(cmd, ended, stdout=subprocess.PIPE)
+        relay.start()
+    pool.wait()
     return failed[0] if failed else 0
 
 
@@ -220,6 +211,7 @@ class ArmTiming:
         self.cfg, self.t0, self.arms, self.at_once = cfg, t0, arms, at_once
         self.lock = threading.Lock()
         self.launched: dict[str, float] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
         self.points: dict[str, list[tuple[float, int, int]]] = {}  # arm -> [(time, step, total)] of 2 lines
         self.said = False
 
@@ -227,8 +219,8 @@ class ArmTiming:
         with self.lock:
             self.launched[arm] = time.monotonic()
 
-    def relay(self, arm: str, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
+    def relay(self, arm: str) -> None:
+        for line in self.procs[arm].stdout:
             match = STEP_LINE.match(line)
             if match:
                 self.step(arm, int(match.group(1)), int(match.group(2)))

@@ -63,9 +63,10 @@ def node_cpus() -> int:
 def local_run_env(concurrent: int, threads: int | None = None) -> dict[str, str]:
     """The environment of a `prism train` started on this host beside ``concurrent - 1`` others (the demo,
     the study, local search trials): output unbuffered, and the cores shared out, each run taking
-    ``threads`` or, when not given, its share of node_cpus() (a user's OMP_NUM_THREADS wins then)."""
+    ``threads`` or, when not given, its share of node_cpus() (a user's OMP_NUM_THREADS wins then). A run alone
+    shares nothing and keeps the libraries' own thread counts."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if threads is None and "OMP_NUM_THREADS" in env:
+    if threads is None and ("OMP_NUM_THREADS" in env or concurrent <= 1):
         return env
     count = str(threads if threads is not None else max(1, node_cpus() // max(1, concurrent)))
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = count

@@ -10,15 +10,13 @@ Same seed = same data order (pipeline.data) and same initial RNG state, so compa
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from pipeline.config import ConfigError
 from pipeline.console import duration
-from pipeline.grid import GridRun, expand_grid, finished_run_ids
+from pipeline.runs.launch import LocalPool
+from pipeline.runs.plan import GridRun, expand_grid, finished_run_ids
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -91,62 +89,47 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     return 0
 
 
-class _Running:
-    """The `prism train` processes of a study in flight, at most ``jobs`` at a time."""
-
-    def __init__(self, jobs: int, t0: float):
-        from pipeline.distributed import local_run_env
-
-        self.jobs, self.t0 = jobs, t0
-        self.env = local_run_env(jobs) if jobs > 1 else {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.procs: list[tuple[str, list[str], subprocess.Popen, Any]] = []
-        self.failed: list[str] = []
-
-    def start(self, run: GridRun, head: str) -> None:
-        while len(self.procs) >= self.jobs:
-            self.reap(block=False)
-            time.sleep(1.0)
-        c, cmd = run.cfg, run.train_command()
-        so_far = duration(time.monotonic() - self.t0)
-        if self.jobs == 1:  # in turn: its console is this one
-            print(f"{head} -> {c.run_dir}  [{so_far} so far]", flush=True)
-            self.procs.append((c.run_name, cmd, subprocess.Popen(cmd, env=self.env), None))
-            self.reap(block=True)
-            return
+def start_run(pool: LocalPool, run: GridRun, head: str, t0: float, failed: list[str]) -> None:
+    """Start one run in ``pool``: alone, on this console; beside others, into <output_dir>/logs/<run name>.log.
+    Its end is printed, and a failure appended to ``failed`` as the command and its exit code."""
+    c, cmd = run.cfg, run.train_command()
+    pool.wait_for_slot()
+    so_far = duration(time.monotonic() - t0)
+    log = None
+    if pool.at_once == 1:
+        print(f"{head} -> {c.run_dir}  [{so_far} so far]", flush=True)
+    else:
         log_path = Path(c.run.output_dir) / "logs" / f"{c.run_name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = log_path.open("a")
         print(f"{head} -> {c.run_dir}, console in {log_path}  [{so_far} so far]", flush=True)
-        proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append((c.run_name, cmd, proc, log))
 
-    def reap(self, block: bool) -> None:
-        for item in list(self.procs):
-            name, cmd, proc, log = item
-            if block or proc.poll() is not None:
-                rc = proc.wait()
-                if log is not None:
-                    log.close()
-                self.procs.remove(item)
-                print(
-                    f"  {name}: {'done' if rc == 0 else f'exited with {rc}'}  [{duration(time.monotonic() - self.t0)} so far]",
-                    flush=True,
-                )
-                if rc != 0:
-                    self.failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
+    def ended(rc: int) -> None:
+        if log is not None:
+            log.close()
+        print(
+            f"  {c.run_name}: {'done' if rc == 0 else f'exited with {rc}'}  [{duration(time.monotonic() - t0)} so far]",
+            flush=True,
+        )
+        if rc != 0:
+            failed.append(f"`prism {' '.join(cmd[3:])}` exited with {rc}")
+
+    pool.start(cmd, ended, stdout=log)
 
 
 def train_runs(runs: list[GridRun], jobs: int, t0: float) -> list[str]:
     """Train every run not yet finished, ``jobs`` at a time, stopping at the first failure (the running ones
     finish); returns what failed, each as the command and its exit code."""
-    running = _Running(jobs, t0)
+    pool, failed = LocalPool(jobs), []
     for i, (run, done) in enumerate(zip(runs, finished_run_ids([r.cfg for r in runs])), start=1):
         head = f"[{i}/{len(runs)}] {run.cfg.run_name} (schedule {run.cfg.schedule.heads})"
         if done:
             print(f"{head}: already finished (MLflow run {done}); skipping", flush=True)
             continue
-        running.start(run, head)
-        if running.failed:
+        start_run(pool, run, head, t0, failed)
+        if jobs == 1:  # in turn
+            pool.wait()
+        if failed:
             break
-    running.reap(block=True)
-    return running.failed
+    pool.wait()
+    return failed

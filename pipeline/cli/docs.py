@@ -184,8 +184,8 @@ def unit_of(module: str, units: set[str]) -> str | None:
     return name if name in units else None
 
 
-def import_graph() -> str:
-    """Which of our units each unit imports (module-level and function-level imports alike), and the circles."""
+def unit_edges() -> dict[str, set[str]]:
+    """Which of our units each unit imports (module-level and function-level imports alike)."""
     import ast
 
     files = {p: p.relative_to(ROOT).with_suffix("") for root in GRAPH_ROOTS for p in (ROOT / root).rglob("*.py")}
@@ -204,6 +204,12 @@ def import_graph() -> str:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             targets = {unit_of(n, units) for n in names} - {None, here}
             edges[here].update(targets)
+    return edges
+
+
+def import_graph() -> str:
+    """The table of unit_edges() and the circles."""
+    edges = unit_edges()
     rows = ["| unit | imports (ours) |", "|---|---|"]
     rows += [f"| `{u}` | {', '.join(f'`{t}`' for t in sorted(edges[u])) or '(none)'} |" for u in sorted(edges)]
     circles = [sorted(c) for c in cycles(edges)]

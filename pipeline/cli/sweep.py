@@ -1,4 +1,4 @@
-"""`prism sweep SPEC.yaml [--dry-run]`: submit a grid of training runs (launchers.sweep) or print it."""
+"""`prism sweep SPEC.yaml [--dry-run]`: submit a grid of training runs (pipeline.sweep) or print it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers import sweep
+    from pipeline import sweep
 
     spec = sweep.load_spec(args.spec)
     if args.dry_run:

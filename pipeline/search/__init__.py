@@ -15,36 +15,25 @@ The parts, each one decision:
   spec.py       the spec, read and checked field by field; the overrides of every run of the search
   cost.py       the dry run: trials, rungs, tokens against the full grid, GPU hours
   driver.py     the ask/launch/report/prune/tell loop, its record (search.json), the confirmation stage
-  executors.py  where runs run: local subprocesses or submitit jobs on Slurm (start, alive, stop, find again)
-  runs.py       reading a run: val losses (MLflow, else its journal), how it ended, tokens, checkpoints
   report.py     the console summary, the MLflow parent run and its children, the results table and plot
 """
 
 from pipeline.search.cost import dry_run, expected_tokens
 from pipeline.search.driver import FINAL, OPTUNA_FILE, STATE_FILE, Driver, make_pruner, make_sampler, run_search
-from pipeline.search.executors import LocalLauncher, SlurmLauncher, proc_start
-from pipeline.search.runs import EXIT_FILE, read_journal, run_id_of, val_losses
 from pipeline.search.spec import Rungs, SearchSpec, load_spec, val_every
 
 __all__ = [
-    "EXIT_FILE",
     "FINAL",
     "OPTUNA_FILE",
     "STATE_FILE",
     "Driver",
-    "LocalLauncher",
     "Rungs",
     "SearchSpec",
-    "SlurmLauncher",
     "dry_run",
     "expected_tokens",
     "load_spec",
     "make_pruner",
     "make_sampler",
-    "proc_start",
-    "read_journal",
-    "run_id_of",
     "run_search",
     "val_every",
-    "val_losses",
 ]

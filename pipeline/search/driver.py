@@ -13,9 +13,9 @@ from typing import Any
 from pipeline import config
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.runs.launch import LocalLauncher, SlurmLauncher
+from pipeline.runs.outcome import checkpoints_of, outcome, tokens_trained, val_losses
 from pipeline.search import report
-from pipeline.search.executors import LocalLauncher, SlurmLauncher
-from pipeline.search.runs import checkpoints_of, outcome, tokens_trained, val_losses
 from pipeline.search.spec import SearchSpec, run_overrides, tracking_uri, trial_key, trial_overrides
 
 STATE_FILE = "search.json"
@@ -66,7 +66,11 @@ class Driver:
             direction="minimize",
             load_if_exists=True,
         )
-        self.launcher: Any = LocalLauncher(spec) if spec.executor == "local" else SlurmLauncher(spec)
+        self.launcher: Any = (
+            LocalLauncher(spec.concurrency)
+            if spec.executor == "local"
+            else SlurmLauncher(spec.folder, spec.name, spec.slurm, spec.nproc_per_node)
+        )
         if spec.sampler == "grid":
             self.enqueue_grid()
         self.best: tuple[float, str] | None = None

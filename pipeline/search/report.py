@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.console import duration
-from pipeline.search.runs import run_id_of, tokens_trained, val_losses
+from pipeline.runs.outcome import run_id_of, tokens_trained, val_losses
 from pipeline.search.spec import SearchSpec
 
 

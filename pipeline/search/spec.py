@@ -9,10 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from launchers import sweep
-from launchers.spec import SpecFile, check_slurm_section, is_int
 from pipeline import config, schedule
 from pipeline.config import ConfigError
+from pipeline.runs.plan import ALL_VALID, all_valid_schedules
+from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int
 
 SPEC_KEYS = (
     "name",
@@ -183,7 +183,7 @@ def _space(
 ) -> tuple[list[str], str, tuple[float, float] | None]:
     """space: the schedules to try (and how the list was made), and the lr range when the search has one."""
     space = _mapping(doc, "space", SPACE_KEYS, required=True)
-    schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", sweep.ALL_VALID), overrides)
+    schedules, schedules_from = expand_schedules(doc, base, space.get("schedules", ALL_VALID), overrides)
     if space.get("lr") is None:
         return schedules, schedules_from, None
     bounds = _mapping(doc, "space.lr", ("low", "high"), required=True)
@@ -223,13 +223,8 @@ def expand_schedules(doc: SpecFile, base: config.Config, value: Any, overrides: 
     preset names (paper-124m), either spelling, and schedule.allow_guideline_violations all hold."""
     m, p = base.model, base.parallel
     shape = f"d_model {m.d_model}, {m.num_layers} layers, h_base {m.h_base}, TP {p.tp}"
-    if value == sweep.ALL_VALID or isinstance(value, dict):
-        found = [
-            schedule.compact(h)
-            for h in schedule.enumerate_valid(
-                m.d_model, m.num_layers, m.h_base, p.tp, replicate_indivisible=p.replicate_indivisible_layers
-            )
-        ]
+    if value == ALL_VALID or isinstance(value, dict):
+        found = all_valid_schedules(base)
         how = f"all-valid for {shape}"
         if isinstance(value, dict):
             unknown = sorted(str(k) for k in value if k not in FILTER_KEYS)
@@ -256,9 +251,7 @@ def expand_schedules(doc: SpecFile, base: config.Config, value: Any, overrides: 
             raise doc.bad("space.schedules", f"no valid schedule of {shape} passes; loosen the filter")
         return found, how
     if not (isinstance(value, list) and value and all(isinstance(s, str) for s in value)):
-        raise doc.bad(
-            "space.schedules", f"use {sweep.ALL_VALID!r}, a filter {{stages: 3}} or a list of quoted schedules"
-        )
+        raise doc.bad("space.schedules", f"use {ALL_VALID!r}, a filter {{stages: 3}} or a list of quoted schedules")
     out = []
     for text in value:
         try:

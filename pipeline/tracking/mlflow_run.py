@@ -83,7 +83,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "seed": str(cfg.run.seed),
         "git_commit": git_commit(),
         "config_hash": cfg.hash(),
-        "result_hash": result_hash(cfg),  # what "already finished" compares (pipeline.grid)
+        "result_hash": result_hash(cfg),  # what "already finished" compares (pipeline.runs.plan)
         "hostname": socket.gethostname(),
         # MLflow's own tags: the UI's "Source", "Version" and "Created by" columns read these.
         "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",

@@ -166,7 +166,7 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(
 def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
     slurm_cluster, mlflow_server, tiny_data, tmp_path
 ):
-    from launchers import sweep
+    from pipeline import sweep
 
     # The signal must reach the trainer before its last step: steps 2..12 are the margin for the way there (poll,
     # scancel, submitit's handler, torchrun). With 4 steps and the signal sent after step 2 it sometimes landed
@@ -338,7 +338,7 @@ def test_a_bad_shutdown_grace_is_refused_in_one_line_before_srun(slurm_cluster, 
 
 
 def test_submitit_sweep_job_spans_two_nodes(slurm_cluster, mlflow_server, tiny_data, tmp_path):
-    from launchers import sweep
+    from pipeline import sweep
 
     steps, experiment = 3, "launchers-sweep-2node"
     overrides = _tp2_overrides(tiny_data, tmp_path, mlflow_server, experiment, steps, seed=0)
@@ -399,7 +399,7 @@ def test_sweep_spec_errors_are_one_line_and_the_example_spec_dry_runs(tmp_path):
         good + "seedz: [1]\n": "unknown key 'seedz'",
         "- arms\n": "is a mapping",
     }
-    from launchers import sweep
+    from pipeline import sweep
 
     for i, (text, want) in enumerate(cases.items()):
         spec = tmp_path / f"bad{i}.yaml"

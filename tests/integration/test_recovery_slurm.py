@@ -105,7 +105,7 @@ def test_a_hung_rank_leaves_every_stack_ends_within_the_timeout_and_resumes(
 
 
 def test_a_sweep_job_keeps_requeueing_after_more_than_three_time_outs(slurm_cluster, tiny_data, tmp_path):
-    from launchers import sweep
+    from pipeline import sweep
 
     overrides = tiny_data.overrides + [
         f"run.output_dir={tmp_path / 'runs'}",

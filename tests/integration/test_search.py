@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import search
+from pipeline.runs import launch, outcome
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -67,7 +68,7 @@ def _processes_in(folder: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if str(folder).encode() in (entry / "cmdline").read_bytes() and search.proc_start(int(entry.name)):
+                if str(folder).encode() in (entry / "cmdline").read_bytes() and launch.proc_start(int(entry.name)):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -93,7 +94,7 @@ def killed_and_resumed(tiny_data, tmp_path_factory):
     first.send_signal(signal.SIGKILL)
     first.wait()
     at_kill = {k: dict(r) for k, r in _state(folder)["runs"].items()}
-    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and search.proc_start(r["handle"]["pid"])]
+    alive_at_kill = [k for k, r in at_kill.items() if r["handle"] and launch.proc_start(r["handle"]["pid"])]
     resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     return {
         "spec": spec,
@@ -118,10 +119,10 @@ def test_search_prunes_with_checkpoints_leaves_no_process_and_picks_the_best(kil
     for r in pruned:  # stopped by the driver's signal: ended through prism train's checkpoint path
         ckpt = Path(r["checkpoint_dir"])
         assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
-        reason, step = (Path(r["folder"]) / search.EXIT_FILE).read_text().split()
+        reason, step = (Path(r["folder"]) / outcome.EXIT_FILE).read_text().split()
         assert reason in ("signal", "finished") and int(step) == int(r["checkpoints"][-1].split("-")[1]), r
         assert r["tokens"] < 12288 or reason == "finished"
-    assert any(Path(r["folder"], search.EXIT_FILE).read_text().startswith("signal") for r in pruned)
+    assert any(Path(r["folder"], outcome.EXIT_FILE).read_text().startswith("signal") for r in pruned)
     for r in complete:
         assert r["tokens"] == 12288 and r["checkpoints"][-1] == "step-0000012"
     assert _processes_in(folder) == []
@@ -142,7 +143,7 @@ def test_search_prunes_with_checkpoints_leaves_no_process_and_picks_the_best(kil
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
-    history = client.get_metric_history(search.run_id_of(lowest), "val/loss")
+    history = client.get_metric_history(outcome.run_id_of(lowest), "val/loss")
     assert max(history, key=lambda m: m.step).value == pytest.approx(lowest["final_val"])
     assert "| trial | schedule |" in out.stdout and (folder / "results.png").is_file()
 
@@ -177,7 +178,7 @@ def test_killed_driver_resumes_the_same_trials_without_duplicates(killed_and_res
     assert sorted(r.data.tags["search.trial"] for r in trials) == [str(i) for i in range(6)]
     assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parents[0].info.run_id}
     for r in state["runs"].values():  # one MLflow run per trial folder, however often its journal restarted
-        starts = [x for x in search.read_journal(r) if x["op"] == "start"]
+        starts = [x for x in outcome.read_journal(r) if x["op"] == "start"]
         assert len(starts) == 1, (r["key"], len(starts))
 
     import optuna
@@ -294,7 +295,7 @@ def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_noth
         ckpt = Path(r["checkpoint_dir"])
         assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
         assert int(r["checkpoints"][-1].split("-")[1]) < 12, r
-        finish = [x for x in search.read_journal(r) if x["op"] == "finish"]
+        finish = [x for x in outcome.read_journal(r) if x["op"] == "finish"]
         assert finish and finish[-1]["status"] == "KILLED", (r["key"], finish)
     for r in complete:
         assert slurm_cluster.sacct(jobs[r["key"]]) == "COMPLETED", r
@@ -324,7 +325,7 @@ def test_slurm_search_cancels_pruned_jobs_after_their_checkpoint_and_leaves_noth
     # one MLflow run per trial, the kill notwithstanding, each a child of the search's one parent run
     assert sorted(r.data.tags["search.trial"] for r in children) == [str(i) for i in range(6)]
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
-    history = client.get_metric_history(search.run_id_of(lowest), "val/loss")
+    history = client.get_metric_history(outcome.run_id_of(lowest), "val/loss")
     assert max(history, key=lambda m: m.step).value == pytest.approx(study.best_value)
     finals = {r["key"]: r["final_val"] for r in complete}
     assert f"Best: {lowest['key']} {lowest['schedule']}" in out.stdout, finals

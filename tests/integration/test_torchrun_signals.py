@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from launchers import recovery
+from pipeline.runs.launch import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def _start(tmp_path, worker_code, env):
 
 def test_torchrun_hands_a_stop_signal_to_its_worker_and_waits_for_its_checkpoint(tmp_path):
     # The environment launchers/train_job.sh and sweep jobs give torchrun; USR1 to torchrun alone, as srun sends it.
-    agent, worker, lines = _start(tmp_path, STOPPING_WORKER, {**os.environ, **recovery.torchrun_env(30)})
+    agent, worker, lines = _start(tmp_path, STOPPING_WORKER, {**os.environ, **torchrun_env(30)})
     try:
         agent.send_signal(signal.SIGUSR1)
         out, _ = agent.communicate(timeout=60)

@@ -98,13 +98,13 @@ def test_eval_out_naming_a_folder_is_one_line_before_anything_loads(tmp_path, ca
 
 
 def test_one_preset_lookup_for_every_verb(tmp_path, monkeypatch):
-    from launchers import sweep
     from pipeline import search
+    from pipeline.runs import plan
 
     monkeypatch.chdir(tmp_path)  # not the checkout: names still find the project's presets
     want = (ROOT / "configs" / "prism_124m.yaml").resolve()
     assert {config.find_preset(t) for t in ("prism_124m", "prism_124m.yaml", "configs/prism_124m.yaml")} == {want}
-    assert sweep.preset_path("prism", "124m") == want
+    assert plan.preset_path("prism", "124m") == want
     assert config.find_preset("no_such_preset") is None
     # a file next to the spec wins over the project's preset of that name
     (tmp_path / "prism_124m.yaml").write_text(f"base: {want}\ntrain: {{lr: 1.0e-3}}\n")

@@ -79,7 +79,7 @@ def test_a_finished_run_is_found_under_either_spelling_and_any_execution_setting
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 
-    from pipeline.grid import finished_run_ids
+    from pipeline.runs.plan import finished_run_ids
     from pipeline.tracking.mlflow_run import run_tags
     from pipeline.tracking.store import run_uri
 
@@ -100,17 +100,17 @@ def test_a_finished_run_is_found_under_either_spelling_and_any_execution_setting
 
 # --- sweep and study resolve schedules through the config ---------------------------------------------------
 def test_sweep_accepts_preset_names_and_refuses_what_the_config_refuses():
-    from launchers import sweep
+    from pipeline.runs import plan
 
-    grid = sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "table5-config-6"])
+    grid = plan.build_grid(["prism"], ["124m"], [1], ["paper-124m", "table5-config-6"])
     assert [r.schedule for r in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
     assert [r.cfg.schedule.heads for r in grid] == ["3x2,6x2,8x2,12x6", "3x2,6x2,12x8"]
     # two spellings of one schedule would be one run trained twice in one folder
     with pytest.raises(ConfigError, match="3x2,6x2,8x2,12x6 more than once"):
-        sweep.build_grid(["prism"], ["124m"], [1], ["paper-124m", "3,3,6,6,8,8,12,12,12,12,12,12"])
+        plan.build_grid(["prism"], ["124m"], [1], ["paper-124m", "3,3,6,6,8,8,12,12,12,12,12,12"])
     # the uniform arm's constant-schedule rule is the config's: one line, naming the arm
     with pytest.raises(ConfigError) as e:
-        sweep.build_grid(["uniform"], ["124m"], [1], ["paper-124m"])
+        plan.build_grid(["uniform"], ["124m"], [1], ["paper-124m"])
     assert "\n" not in str(e.value) and "'uniform' needs a constant schedule" in str(e.value)
 
 

@@ -52,6 +52,26 @@ def test_import_graph_sees_function_level_imports_and_circles():
     assert "| `pipeline.cli` |" in graph and "`pipeline.train`" in graph.split("| `pipeline.cli` |")[1].split("\n")[0]
 
 
+POLICIES = {"pipeline.demo", "pipeline.study", "pipeline.sweep", "pipeline.search"}
+
+
+def test_the_layers_read_top_down():
+    """Verbs, then the policies, then pipeline.runs, then the core; launchers' job-side helpers sit beside the
+    verbs. An import against that order (or a circle) fails here, whatever the generated table says."""
+    edges = docs.unit_edges()
+    assert docs.cycles(edges) == []
+    assert POLICIES | {"pipeline.runs", "pipeline.cli", "launchers"} <= set(edges)
+    for unit, targets in edges.items():
+        if unit.startswith("pipeline"):
+            assert "launchers" not in targets, f"{unit} imports launchers: job-side scripts sit above pipeline"
+        if unit != "pipeline.cli":
+            assert "pipeline.cli" not in targets, f"{unit} imports the verbs"
+        if unit not in POLICIES | {"pipeline.cli", "launchers"}:
+            assert not targets & POLICIES, f"{unit} imports a policy: {sorted(targets & POLICIES)}"
+        if unit not in POLICIES | {"pipeline.cli", "launchers", "pipeline.runs"}:
+            assert "pipeline.runs" not in targets, f"{unit} imports pipeline.runs, a layer above it"
+
+
 def test_config_reference_lists_every_key_a_config_has():
     """Independent of the generator: the keys a loaded preset dumps, and every key the rule tables name."""
     from pipeline import config

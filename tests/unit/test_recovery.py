@@ -91,7 +91,7 @@ def test_a_sweep_job_checkpoints_when_torchrun_died_of_the_same_signal(tmp_path)
     import subprocess
     import sys
 
-    from launchers.sweep import TrainJob
+    from pipeline.runs.launch import TrainJob
 
     job = TrainJob("configs/tiny_prism.yaml", ["train.seed=3"], grace_s=1)
     job._proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -104,14 +104,15 @@ def test_a_sweep_job_checkpoints_when_torchrun_died_of_the_same_signal(tmp_path)
 
 def test_torchrun_gets_its_signals_through_both_variables_and_a_bad_grace_is_refused(capsys):
     from launchers import recovery
+    from pipeline.runs.launch import torchrun_env
 
-    default = recovery.torchrun_env(150, {})
+    default = torchrun_env(150, {})
     assert "SIGUSR1" in default["PET_SIGNALS_TO_HANDLE"].split(",") and "SIGUSR2" in default["PET_SIGNALS_TO_HANDLE"]
     assert default["TORCHELASTIC_SIGNALS_TO_HANDLE"] == default["PET_SIGNALS_TO_HANDLE"]
     assert default["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "150"
     # a list the user exported under either name reaches both readers
     for name in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
-        mine = recovery.torchrun_env(5, {name: "SIGTERM,SIGUSR1"})
+        mine = torchrun_env(5, {name: "SIGTERM,SIGUSR1"})
         assert mine["PET_SIGNALS_TO_HANDLE"] == mine["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1", name
     assert recovery.main(["--torchrun-env", "soon"]) == 2
     out, err = capsys.readouterr()

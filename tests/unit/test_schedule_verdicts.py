@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launchers import sweep
 from pipeline import config, search
 from pipeline.config import ConfigError
+from pipeline.runs import plan
 from pipeline.study import study_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,24 +20,24 @@ ALLOW = "schedule.allow_guideline_violations=true"
 
 
 def train(scale: str, heads: str, overrides: list[str]) -> str:
-    return config.load(sweep.preset_path("prism", scale), [*overrides, f"schedule.heads={heads}"]).schedule.heads
+    return config.load(plan.preset_path("prism", scale), [*overrides, f"schedule.heads={heads}"]).schedule.heads
 
 
 def sweep_verb(scale: str, heads: str, overrides: list[str]) -> str:
-    (resolved,) = sweep.expand_schedules([heads], "prism", scale, overrides)
+    (resolved,) = plan.expand_schedules([heads], "prism", scale, overrides)
     return resolved
 
 
 def study(scale: str, heads: str, overrides: list[str]) -> str:
-    (run,) = study_runs([str(sweep.preset_path("prism", scale))], [1], [*overrides, f"schedule.heads={heads}"])
+    (run,) = study_runs([str(plan.preset_path("prism", scale))], [1], [*overrides, f"schedule.heads={heads}"])
     return run.cfg.schedule.heads
 
 
 def search_verb(scale: str, heads: str, overrides: list[str], tmp_path: Path) -> str:
     spec = tmp_path / "spec.yaml"
-    batch = config.load(sweep.preset_path("prism", scale)).train.batch_tokens  # rungs of whole steps
+    batch = config.load(plan.preset_path("prism", scale)).train.batch_tokens  # rungs of whole steps
     spec.write_text(
-        f"config: {sweep.preset_path('prism', scale)}\n"
+        f"config: {plan.preset_path('prism', scale)}\n"
         f"overrides: {json.dumps(overrides)}\n"
         f"space: {{schedules: [{json.dumps(heads)}]}}\n"
         f"rungs: {{min_tokens: {batch}, reduction_factor: 2, full_tokens: {4 * batch}}}\n"

@@ -1,5 +1,6 @@
-"""Reading a run of the search from what it wrote: its val losses (MLflow, with its offline journal beyond
-that, or the journal alone when the store is down), how it ended, the tokens it trained, its checkpoints."""
+"""Outcome: reading a run from what it wrote: its val losses (MLflow, with its offline journal beyond that, or
+the journal alone when the store is down), how it ended (exit record, else its journal), the tokens it
+trained, its checkpoints. A run here is a launch record ({folder, checkpoint_dir, ...}, pipeline.runs.launch)."""
 
 from __future__ import annotations
 

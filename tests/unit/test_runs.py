@@ -1,11 +1,12 @@
-"""The grid of runs demo, study and sweep share: order, overrides, run folders, the `prism train` command."""
+"""pipeline.runs: the grid every policy plans (order, overrides, run folders, the `prism train` command) and the
+local pool the demo and the study launch through (how many at once, the cores shared, how each run ended)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from pipeline.grid import expand_grid
+from pipeline.runs.plan import expand_grid
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_prism.yaml"
@@ -52,7 +53,36 @@ def test_local_runs_share_the_cores_one_way(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = distributed.local_run_env(3)
     assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["PYTHONUNBUFFERED"]) == ("2", "2", "1")
+    assert "OMP_NUM_THREADS" not in distributed.local_run_env(1)  # alone: the libraries' own counts
     assert distributed.local_run_env(16)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert distributed.local_run_env(2)["OMP_NUM_THREADS"] == "3"  # the user's choice wins over a share
     assert distributed.local_run_env(2, threads=1)["OMP_NUM_THREADS"] == "1"  # a fixed count (the demo) wins
+
+
+def test_the_local_pool_runs_at_most_its_share_at_once_and_reports_each_ending(tmp_path):
+    """Each command marks its start and end in one file; the first two wait for each other (so they must run
+    side by side), never more than two overlap, and every exit code reaches its on_exit, failures included."""
+    from pipeline.runs.launch import LocalPool
+
+    trace = tmp_path / "trace"
+    script = (
+        "import sys, time\n"
+        "path, code = sys.argv[1], int(sys.argv[2])\n"
+        "with open(path, 'a') as f: f.write('+ ')\n"
+        "deadline = time.monotonic() + 20\n"
+        "while open(path).read().count('+') < 2 and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "time.sleep(0.2)\n"
+        "with open(path, 'a') as f: f.write('- ')\n"
+        "sys.exit(code)\n"
+    )
+    pool, ended = LocalPool(2), []
+    for code in (0, 3, 0, 5):
+        pool.start([sys.executable, "-c", script, str(trace), str(code)], lambda rc, c=code: ended.append((c, rc)))
+    pool.wait()
+    assert sorted(ended) == [(0, 0), (0, 0), (3, 3), (5, 5)]
+    depth, deepest = 0, 0
+    for mark in trace.read_text().split():
+        depth += 1 if mark == "+" else -1
+        deepest = max(deepest, depth)
+    assert deepest == 2  # two side by side, never three

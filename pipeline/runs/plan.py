@@ -1,0 +1,182 @@
+"""Plan: what to run, as `prism train` runs built only through `config.load`, and which already finished.
+
+The demo, `prism study`, `prism sweep` and `prism search` build their runs here, so a run is named, placed,
+read (presets, schedules in any spelling, overrides) and recognised as finished one way in all four.
+A run is a preset plus the dotted overrides that make it (what `prism train` is given), and the config they
+load to (its run name, run folder and hash). Finished means an MLflow run of that name whose result hash is
+this config's (config.result_hash: what it trains and measures, so any spelling of a schedule finds it and
+execution-only keys do not matter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import config, schedule
+from pipeline.config import Config, ConfigError
+
+ALL_VALID = "all-valid"  # a schedule list that means every schedule the config accepts
+
+
+@dataclass(frozen=True)
+class GridRun:
+    config_path: str  # the preset `prism train` is given
+    overrides: tuple[str, ...]  # the dotted overrides that make this run from it (seed, schedule, folder)
+    cfg: Config  # what they load to
+    schedule: str | None = None  # the compact schedule the grid set; None: the preset's own
+
+    @property
+    def name(self) -> str:
+        return self.cfg.run_name
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    @property
+    def label(self) -> str:
+        """The run name, and the schedule where the grid set one (run names do not carry it)."""
+        return self.name + (f" {self.schedule}" if self.schedule else "")
+
+    def train_command(self) -> list[str]:
+        return train_command(self.config_path, self.overrides)
+
+
+def train_command(config_path: str, overrides: Sequence[str]) -> list[str]:
+    """`prism train CONFIG OVERRIDES` in this interpreter (the demo, the study and local search trials)."""
+    return [sys.executable, "-m", "pipeline.cli", "train", str(config_path), *overrides]
+
+
+def expand_grid(
+    configs: Sequence[str | Path],
+    seeds: Sequence[int] | None = None,
+    schedules: Sequence[str | None] = (None,),
+    overrides: Sequence[str] = (),
+) -> list[GridRun]:
+    """Every (seed, config, schedule), seed-major (a grid stopped early holds whole seeds); ``seeds`` None keeps
+    each config's own seed, a schedule None its own schedule. A schedule set here also gets its own folder,
+    ``<run.output_dir>/sched-<schedule>``: the run name is the same for every schedule of an arm."""
+    output_dirs = {path: config.load(path, overrides).run.output_dir for path in configs} if any(schedules) else {}
+    runs = []
+    for seed in [None] if seeds is None else seeds:
+        for path in configs:
+            for sched in schedules:
+                extra = [] if seed is None else [f"run.seed={int(seed)}"]
+                if sched is not None:
+                    out = output_dirs[path]
+                    extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
+                ov = (*overrides, *extra)
+                runs.append(GridRun(str(path), ov, config.load(path, ov), sched))
+    return runs
+
+
+def finished_run_ids(cfgs: Sequence[Config]) -> list[str | None]:
+    """Per config, the id of an MLflow run of it that already FINISHED (same run name and result_hash: what it
+    trains and measures, not how it ran), else None; a store that does not exist yet holds none (and is not
+    created by asking)."""
+    from pipeline.config import result_hash
+    from pipeline.tracking import store
+
+    clients: dict[str, Any] = {}
+    found: list[str | None] = []
+    for cfg in cfgs:
+        uri = store.run_uri(cfg)
+        if not store.store_exists(uri):
+            found.append(None)
+            continue
+        if uri not in clients:
+            clients[uri] = store.client(uri)
+        client = clients[uri]
+        exp = client.get_experiment_by_name(cfg.experiment)
+        runs = (
+            []
+            if exp is None
+            else client.search_runs(
+                [exp.experiment_id],
+                filter_string=f"attributes.run_name = '{cfg.run_name}' and attributes.status = 'FINISHED' and "
+                f"tags.result_hash = '{result_hash(cfg)}'",
+                max_results=1,
+            )
+        )
+        found.append(runs[0].info.run_id if runs else None)
+    return found
+
+
+def preset_path(arm: str, scale: str) -> Path:
+    """The project's preset of ``arm`` at ``scale`` (config.preset_name), or one line listing the presets."""
+    path = config.find_preset(config.preset_name(arm, scale), config.PROJECT_CONFIGS)
+    if path is None:
+        known = sorted(p.stem for p in config.PROJECT_CONFIGS.glob("*.yaml"))
+        raise ConfigError(
+            f"sweep: no preset for arm={arm!r} scale={scale!r} "
+            f"({config.PROJECT_CONFIGS / config.preset_name(arm, scale)} missing); presets: {', '.join(known)}"
+        )
+    return path
+
+
+def all_valid_schedules(base: Config) -> list[str]:
+    """Every schedule ``base``'s model and TP accept (schedule.enumerate_valid), in compact form."""
+    m, p = base.model, base.parallel
+    return [
+        schedule.compact(h)
+        for h in schedule.enumerate_valid(
+            m.d_model, m.num_layers, m.h_base, p.tp, replicate_indivisible=p.replicate_indivisible_layers
+        )
+    ]
+
+
+def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str]) -> list[str | None]:
+    """None -> the preset's schedule; "all-valid" -> every schedule the preset's config accepts; else a list.
+
+    Each schedule is resolved by the config (a preset name such as paper-124m, a list or the compact form),
+    so the sweep accepts exactly what `prism train` accepts, and returns each one in compact form."""
+    if schedules in (None, [], ()):
+        return [None]
+    path = preset_path(arm, scale)
+    if schedules == ALL_VALID:
+        base = config.load(path, overrides)
+        found = all_valid_schedules(base)
+        if not found:
+            raise ConfigError(
+                f"sweep: schedules=all-valid found no valid schedule for {scale} (d_model {base.model.d_model})"
+            )
+        return found
+    if isinstance(schedules, str):
+        raise ConfigError(f"sweep: schedules={schedules!r}; use a list of schedules, {ALL_VALID!r} or null")
+    resolved = []
+    for spelled in schedules:
+        try:
+            resolved.append(config.load(path, [*overrides, f"schedule.heads={spelled}"]).schedule.heads)
+        except ConfigError as e:
+            raise ConfigError(f"sweep: arm {arm!r}, scale {scale!r}, schedule {spelled!r}: {e}") from None
+    repeated = sorted({h for h in resolved if resolved.count(h) > 1})
+    if repeated:  # two spellings of one schedule would train the same run twice, in one folder
+        raise ConfigError(
+            f"sweep: schedules name {', '.join(repeated)} more than once (two spellings of one schedule); list each once"
+        )
+    return resolved
+
+
+def build_grid(
+    arms: list[str],
+    scales: list[str],
+    seeds: list[int],
+    schedules: Any = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+) -> list[GridRun]:
+    """Every grid point (arm, scale, seed, schedule) of the project's presets: its preset, the overrides that
+    make it, its validated config."""
+    for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
+        if not values:
+            raise ConfigError(f"sweep: {key} is empty; give at least one value")
+    base_overrides = config.override_list(overrides)
+    grid = []
+    for arm, scale in itertools.product(arms, scales):
+        per_arm = expand_schedules(schedules, arm, scale, base_overrides)
+        grid += expand_grid([preset_path(arm, scale)], [int(s) for s in seeds], per_arm, base_overrides)
+    return grid
