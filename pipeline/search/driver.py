@@ -183,7 +183,9 @@ class Driver:
                     continue
                 trial.report(values[step], tokens)
                 rec.setdefault("rungs", {})[str(tokens)] = values[step]
-                if trial.should_prune():
+                # a run that ended before this look (its driver was down) has spent its budget: its rungs
+                # still inform the pruner, and finish() closes it by how it ended
+                if alive and trial.should_prune():
                     self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
                     rec["status"] = "stopping"
                     self.state.save()

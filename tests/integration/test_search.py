@@ -18,7 +18,9 @@ from pipeline import search
 from pipeline.runs import launch, outcome
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+# Each step of rank 0 sleeps 0.5 s (a slow data fetch), so a trial outlives the driver's look at its last
+# pruning rung by several steps: a pruned trial must end by its stop signal, before its full budget.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PRISM_FAULT_SLOW_RANK": "0:0.5"}
 SCHEDULES = ["2x2,6x2,12x4", "4x2,8x2,12x4", "3x2,4x2,12x4", "6x2,8x2,12x4", "2x2,4x2,12x4", "3x2,8x2,12x4"]
 
 
@@ -120,9 +122,8 @@ def test_search_prunes_with_checkpoints_leaves_no_process_and_picks_the_best(kil
         ckpt = Path(r["checkpoint_dir"])
         assert r["checkpoints"] and (ckpt / "latest").read_text().strip() == r["checkpoints"][-1], r
         reason, step = (Path(r["folder"]) / outcome.EXIT_FILE).read_text().split()
-        assert reason in ("signal", "finished") and int(step) == int(r["checkpoints"][-1].split("-")[1]), r
-        assert r["tokens"] < 12288 or reason == "finished"
-    assert any(Path(r["folder"], outcome.EXIT_FILE).read_text().startswith("signal") for r in pruned)
+        assert reason == "signal" and int(step) == int(r["checkpoints"][-1].split("-")[1]), r
+        assert r["tokens"] < 12288, r
     for r in complete:
         assert r["tokens"] == 12288 and r["checkpoints"][-1] == "step-0000012"
     assert _processes_in(folder) == []

@@ -96,3 +96,49 @@ def test_pruner_key_picks_optunas_pruner_on_the_spec_rungs(tmp_path):
     hyperband = search.make_pruner(_load(tmp_path, GOOD + "pruner: hyperband\n"))
     assert isinstance(hyperband, optuna.pruners.HyperbandPruner)
     assert (hyperband._min_resource, hyperband._max_resource, hyperband._reduction_factor) == (4096, 16384, 2)
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_trial_is_pruned_only_while_its_run_trains(tmp_path, monkeypatch, alive):
+    """A trial the pruner would stop is pruned and signalled while its run trains; a run that had already
+    ended when the driver first looked (its driver was down) has spent its budget: its rungs are reported
+    and it completes by how it ended, rather than being called pruned after it finished."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from pipeline.runs.outcome import EXIT_FILE
+    from pipeline.tracking.journal import Journal
+
+    spec = _load(tmp_path, GOOD + f"folder: {tmp_path / 'search'}\nexecutor: local\n")
+    driver = search.Driver(spec, resume=False, say=lambda *_: None)
+    stopped: list[str] = []
+
+    class Launcher:  # the run's process, as the driver sees it
+        def alive(self, rec):
+            return alive
+
+        def stop(self, rec):
+            stopped.append(rec["key"])
+
+        def describe(self, rec):
+            return "a stub"
+
+    driver.launcher = Launcher()
+    rec = driver.ask()
+    rec.update(status="running", handle={"pid": 0})
+    batch, full_step = spec.base.train.batch_tokens, spec.rungs.full_tokens // spec.base.train.batch_tokens
+    journal = Journal(rec["checkpoint_dir"])
+    for tokens in spec.rungs.points:
+        journal.append({"op": "metrics", "step": tokens // batch, "metrics": {"val/loss": 5.0}})
+    Path(rec["folder"]).mkdir(parents=True, exist_ok=True)
+    (Path(rec["folder"]) / EXIT_FILE).write_text(f"finished {full_step}\n")
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+
+    driver.step(rec)
+    frozen = driver.study.get_trials(deepcopy=False)[rec["trial"]]
+    if alive:  # pruned at the first rung
+        assert set(rec["rungs"]) == {str(spec.rungs.points[0])}
+        assert (rec["status"], frozen.state, set(stopped)) == ("stopping", TrialState.PRUNED, {rec["key"]})
+    else:
+        assert set(rec["rungs"]) == {str(t) for t in spec.rungs.points[:-1]}
+        assert (rec["status"], frozen.state, frozen.value, stopped) == ("complete", TrialState.COMPLETE, 5.0, [])
