@@ -15,17 +15,15 @@ import yaml
 from pipeline import checkpoint, model_size
 from pipeline import config as config_lib
 from pipeline.config import Config, ConfigError
+from pipeline.config.resume_keys import WEIGHT_KEYS
 from pipeline.distributed import resolve_device
-
-# Overrides may repoint paths (tokenizer, dataset, tracking) but never change what the weights mean.
-FROZEN_KEYS = ("model", "schedule", "parallel.tp")
 
 
 def load_config(tag_dir: Path, overrides: list[str] | None = None) -> Config:
     source = checkpoint.config_file(tag_dir)
     data = yaml.safe_load(source.read_text())
     cfg = config_lib.from_dict(config_lib.apply_overrides(data, overrides or []), str(source))
-    frozen = config_lib.changed_keys(data, cfg.to_dict(), scope=FROZEN_KEYS)
+    frozen = config_lib.changed_keys(data, cfg.to_dict(), scope=WEIGHT_KEYS)
     if frozen:
         raise ConfigError(f"override of {frozen[0]}: the checkpoint's weights fix it; override only paths")
     return cfg

@@ -13,12 +13,12 @@ from typing import Any
 from pipeline import schedule
 from pipeline.config import Config, _plain
 
+# What a checkpoint's weights are: eval, export and generate may repoint paths, never change these.
+WEIGHT_KEYS = ("model", "schedule", "parallel.tp")
 # Keys whose change makes a checkpoint or a dataset incompatible (resume refuses, naming the key).
 MODEL_OR_DATA_KEYS = (
     "run.seed",
-    "model",
-    "schedule",
-    "parallel.tp",
+    *WEIGHT_KEYS,
     "train.batch_tokens",
     "train.micro_batch_size",
     "data",
