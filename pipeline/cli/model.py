@@ -1,6 +1,4 @@
-"""`prism model report CONFIG`: per layer heads, d_h, parameters counted on the built layer and FLOPs per
-token; then the same for the uniform twin (h_base heads in every layer) and the equality checks. Built on
-the meta device, so the 757M preset reports in seconds without allocating weights."""
+"""`prism model report CONFIG`: pipeline.model.report on the command line."""
 
 from __future__ import annotations
 

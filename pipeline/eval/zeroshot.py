@@ -106,11 +106,6 @@ def score_metrics(scores: dict[str, Any]) -> dict[str, float]:
     return {eval_metric(task, m): s[m] for task, s in scores.items() for m in METRICS if m in s}
 
 
-def write_json(data: dict[str, Any], path: Path) -> None:
-    """Atomic: a reader sees the old file or the whole new one, never a half-written one."""
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
 def evaluate_checkpoint(
     checkpoint: str | Path,
     tasks: list[str],
@@ -145,10 +140,10 @@ def evaluate_checkpoint(
         "tasks": scores,
     }
     path = Path(out) if out else report_path(cfg, info.tag_dir)
-    write_json(report, path)
+    write_atomic(path, json.dumps(report, indent=2) + "\n")  # a reader sees the old file or the new one
     metrics = score_metrics(scores)
     report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, [("eval", path)])
-    write_json(report, path)
+    write_atomic(path, json.dumps(report, indent=2) + "\n")
     report["json"] = str(path)
     return report
 

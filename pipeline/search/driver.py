@@ -279,7 +279,6 @@ class Driver:
             return self.confirm(results)
         return 0
 
-    # -- MLflow: the parent run and its children
     # -- the confirmation stage
     def confirm(self, complete: list[dict[str, Any]]) -> int:
         from pipeline.compare import compare_arms

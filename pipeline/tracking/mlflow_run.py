@@ -265,8 +265,7 @@ class MlflowTracker:
 
     def _new_milestones(self, val_loss: float, step: int) -> None:
         """Milestones are tags (one value each, shown in the run's overview), not metrics: as metrics they
-        led every chart view with single points. Runs logged before this kept them as metrics; the reader
-        (pipeline/compare.py) takes either."""
+        led every chart view with single points."""
         tags: dict[str, str] = {}
         for x in self.milestones:
             if x in self.reached or not val_loss <= x:
