@@ -4,10 +4,10 @@
     torchrun --nproc-per-node N -m pipeline.cli train CONFIG ...   # N processes (TP x DP)
 
 Read it bottom up: `train` refuses bad input and decides where to resume (pipeline.checkpoint), `setup` builds
-the Run (data, model, engine, initial weights, tracker), `loop` trains it, `finish` closes it. In the loop,
-`train_step` is one optimizer step, `step_actions` says what else the step does (sync, validate, log,
-checkpoint) and `log_step` writes one log line. Process groups and collectives are in pipeline.distributed,
-what a checkpoint holds in pipeline.checkpoint.
+the Run (`load_data`; `build_start`: model, engine, initial weights; `start_tracker`), `loop` trains it,
+`finish` closes it. In the loop, `train_step` is one optimizer step, `step_actions` says what else the step
+does (sync, validate, log, checkpoint), `do_step_actions` does it and `log_step` writes one log line. Process
+groups and collectives are in pipeline.distributed, what a checkpoint holds in pipeline.checkpoint.
 
 Why it is over 400 lines: it is one job, the training path from refusing bad input to the final summary,
 and the engine the loop drives (AdamW, LR schedule, DeepSpeed config: about 90 lines) stays beside the step
@@ -552,10 +552,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     from megatron.core import parallel_state
 
     from pipeline.distributed import topology, topology_line
-    from pipeline.model import build_model
-    from pipeline.skipping import StepSkipper
     from pipeline.stragglers import RankClock
-    from pipeline.tracking import make_tracker
     from pipeline.tracking.system import other_node_metrics
 
     manifest = data.checked_manifest(cfg)  # the one compatibility check of this start
@@ -568,6 +565,46 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     epochs = check_data_before_start(cfg, manifest, dp_size)  # refuses or verifies: before the model
     p = cfg.parallel  # from here on a hang leaves every rank's stack (and the groups get init_timeout_s)
     watch = HangWatch(diagnostics_dir(cfg), dist.get_rank(), p.init_timeout_s, p.timeout_s, resume.step)
+    loader, val_sets, evals = load_data(cfg, manifest, val_manifests, dp_rank, dp_size, device)
+    engine, optimizer, state = build_start(cfg, resume, loader, grad_accum, dp_size, device)
+    tracker = start_tracker(cfg, state, manifest, epochs, dp_size)
+    run = Run(
+        cfg,
+        engine,
+        optimizer,
+        loader,
+        val_sets,
+        tracker,
+        StopSignal(),
+        state,
+        device,
+        total,
+        warmup,
+        grad_accum,
+        watch=watch,
+    )
+    run.saver = Saver(engine, cfg, device)
+    run.skipper, run.clock = state.skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
+    run.evals = evals
+    ranks = topology()  # a collective: every rank
+    say(f"prism train: {topology_line(ranks)}")
+    run_id = [state.run_id]  # rank 0's: the other nodes log their system metrics into the same run
+    dist.broadcast_object_list(run_id, src=0)
+    run.node_metrics = other_node_metrics(cfg, run_id[0], ranks, dist.get_rank())
+    say_start(run, resume, epochs, dp_size)
+    return run
+
+
+def load_data(
+    cfg: Config,
+    manifest: dict[str, Any],
+    val_manifests: dict[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    device: str,
+) -> tuple[data.ShardLoader, dict[str, np.ndarray], Any]:
+    """This DP rank's loader, every validation set's rows and the downstream evals (None without
+    train.eval_every): before the model, so a missing eval set or tokenizer costs nothing."""
     loader = data.ShardLoader(
         cfg,
         dp_rank=dp_rank,
@@ -577,10 +614,19 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
         pin_memory=device == "cuda",
     )
     val_sets = {vs.metric: data.load_val_tokens(cfg, val_manifests[vs.metric], vs) for vs in cfg.validation_sets()}
-    evals = downstream_evals(cfg)  # before the model: a missing eval set or tokenizer costs nothing
+    return loader, val_sets, downstream_evals(cfg)
+
+
+def build_start(
+    cfg: Config, resume: checkpoint.Resume, loader: Any, grad_accum: int, dp_size: int, device: str
+) -> tuple[Any, Any, TrainState]:
+    """The model, its initial weights and the engine around it, and the state the loop starts from. Initial
+    weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a `prism export`
+    folder's weights (train.init_from), else the model's own initialisation."""
+    from pipeline.model import build_model
+    from pipeline.skipping import StepSkipper
+
     model = build_model(cfg)  # on the GPU already when there is one
-    # Initial weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a
-    # `prism export` folder's weights (train.init_from), else the model's own initialisation.
     if cfg.train.init_from and not resume.tag:
         from pipeline.export.hf import init_from
 
@@ -603,11 +649,19 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
                 f"prism train: tensor-parallel resume: {resume.tag} was saved at parallel.tp={resume.saved_tp}, "
                 f"continuing at {cfg.parallel.tp} (weights and optimizer state re-split)"
             )
+    return engine, optimizer, state
+
+
+def start_tracker(cfg: Config, state: TrainState, manifest: dict[str, Any], epochs: float, dp_size: int) -> Any:
+    """The tracking run, resumed when the checkpoint names one (its id goes into ``state``), with the data
+    budget and DP size of this start: constants, so params (not chart metrics); the DP size is part of the
+    data order, which `prism compare` pairs seeds by."""
+    import torch.distributed as dist
+
+    from pipeline.tracking import make_tracker
 
     tracker = make_tracker(cfg, dist.get_rank())
     state.run_id = tracker.start(cfg, run_id=state.run_id)
-    # the data budget and DP size of this start: constants, so params (not chart metrics); the DP size is part
-    # of the data order, which `prism compare` pairs seeds by
     tracker.log_params(
         {
             "data/epochs": round(epochs, 4),
@@ -615,61 +669,34 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
             "parallel/dp_size": dp_size,
         }
     )
-    run = Run(
-        cfg,
-        engine,
-        optimizer,
-        loader,
-        val_sets,
-        tracker,
-        StopSignal(),
-        state,
-        device,
-        total,
-        warmup,
-        grad_accum,
-        watch=watch,
-    )
-    run.saver = Saver(engine, cfg, device)
-    run.skipper, run.clock = skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
-    run.evals = evals
-    ranks = topology()  # a collective: every rank
-    say(f"prism train: {topology_line(ranks)}")
-    run_id = [state.run_id]  # rank 0's: the other nodes log their system metrics into the same run
-    dist.broadcast_object_list(run_id, src=0)
-    run.node_metrics = other_node_metrics(cfg, run_id[0], ranks, dist.get_rank())
+    return tracker
+
+
+def say_start(run: Run, resume: checkpoint.Resume, epochs: float, dp_size: int) -> None:
+    """The console's start-up lines: damaged checkpoints passed over, what runs where and for how long, and the
+    MLflow run's page if there is one."""
+    import torch.distributed as dist
+
+    cfg = run.cfg
     for line in resume_notes(resume):  # e.g. a damaged newest checkpoint and the one resumed from instead
         say(line)
     what = f"resumed from {resume.tag}" if resume.tag else "fresh start"
     say(
         f"prism train: {cfg.run_name} | {what} | world {dist.get_world_size()} = TP {cfg.parallel.tp} x DP "
-        f"{dp_size} | ZeRO-{cfg.parallel.zero_stage} {cfg.train.precision} on {device} | {run.total_steps} steps, "
-        f"grad_accum {run.grad_accum}, warmup {run.warmup} | {epochs:.2f} epochs of the data"
+        f"{dp_size} | ZeRO-{cfg.parallel.zero_stage} {cfg.train.precision} on {run.device} | {run.total_steps} "
+        f"steps, grad_accum {run.grad_accum}, warmup {run.warmup} | {epochs:.2f} epochs of the data"
     )
-    if ui_url := getattr(tracker, "ui_url", lambda: None)():
+    if ui_url := getattr(run.tracker, "ui_url", lambda: None)():
         say(f"prism train: MLflow run {ui_url}")
-    return run
 
 
 def loop(run: Run) -> int:
     """Optimizer steps until the token budget is done, a stop signal or a non-finite loss; the exit code."""
-    from pipeline.stragglers import gather_rank_times, straggler_metrics
-
     cfg, state, t = run.cfg, run.state, run.cfg.train
     recent: deque[float] = deque(maxlen=20)  # the last losses, for a NaN step's diagnostic
     stop_check = stop_agreement(run.stopper, run.device)
     unread = UnreadSteps(t.max_skips_in_a_row)
-    planned = {step: step_actions(cfg, step, run.total_steps) for step in range(state.step + 1, run.total_steps + 1)}
-    progress = Progress(
-        run.total_steps,
-        state.step,
-        t.batch_tokens,
-        validation_steps=[s for s, a in planned.items() if a.validate],
-        checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
-        validation_tokens=sum(rows.shape[0] for rows in run.val_sets.values()) * cfg.model.seq_len,
-        eval_steps=[s for s, a in planned.items() if a.eval],
-        eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
-    )
+    progress = loop_progress(run)
     while state.step < run.total_steps:
         faults.before_step(state.step + 1)  # PRISM_FAULT_* in recovery tests; nothing otherwise
         lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
@@ -709,24 +736,7 @@ def loop(run: Run) -> int:
             report_nonfinite(cfg, *bad, recent)
             return EXIT_NONFINITE
         run.train_loss = result.loss
-
-        val_losses = {}
-        if actions.validate:
-            with progress.aside("validation"):  # every set: its time stays out of tokens/s
-                val_losses = {
-                    m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()
-                }
-            run.val_loss = val_losses[val_loss_metric(None)]  # the run's own val split: the summary's val loss
-        if actions.log:
-            stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
-            pace = progress.pace(state.step)
-            log_step(cfg, run.tracker, state, run.total_steps, result, val_losses, run.device, pace, stragglers)
-        if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
-            with progress.aside("eval"):
-                downstream_eval(run)
-        if actions.checkpoint:
-            with progress.aside("checkpoint"):  # the time the step is blocked: staging, or the whole write
-                run.saver.save(state, final=stop or state.step == run.total_steps)
+        do_step_actions(run, actions, result, progress, final=stop or state.step == run.total_steps)
         unread.restart_clock()  # the steps' own time (perf/step_time) leaves this step's extra work out
         if stop and state.step < run.total_steps:  # a signal at the final step: the run is done, nothing to resume
             say(
@@ -735,6 +745,48 @@ def loop(run: Run) -> int:
             )
             return EXIT_STOPPED
     return EXIT_FINISHED
+
+
+def loop_progress(run: Run) -> Progress:
+    """The console's pace and ETA for the steps left, knowing which of them validate, eval and checkpoint
+    (their time is set aside, not counted as training)."""
+    cfg, t, start = run.cfg, run.cfg.train, run.state.step
+    planned = {step: step_actions(cfg, step, run.total_steps) for step in range(start + 1, run.total_steps + 1)}
+    return Progress(
+        run.total_steps,
+        start,
+        t.batch_tokens,
+        validation_steps=[s for s, a in planned.items() if a.validate],
+        checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
+        validation_tokens=sum(rows.shape[0] for rows in run.val_sets.values()) * cfg.model.seq_len,
+        eval_steps=[s for s, a in planned.items() if a.eval],
+        eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
+    )
+
+
+def do_step_actions(run: Run, actions: StepActions, result: StepResult, progress: Progress, final: bool) -> None:
+    """A sync step's extra work, in this order: validation, the log line, downstream evals, the checkpoint
+    (``final``: the last step's or a stop signal's)."""
+    from pipeline.stragglers import gather_rank_times, straggler_metrics
+
+    cfg, state, t = run.cfg, run.state, run.cfg.train
+    val_losses = {}
+    if actions.validate:
+        with progress.aside("validation"):  # every set: its time stays out of tokens/s
+            val_losses = {
+                m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()
+            }
+        run.val_loss = val_losses[val_loss_metric(None)]  # the run's own val split: the summary's val loss
+    if actions.log:
+        stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
+        pace = progress.pace(state.step)
+        log_step(cfg, run.tracker, state, run.total_steps, result, val_losses, run.device, pace, stragglers)
+    if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
+        with progress.aside("eval"):
+            downstream_eval(run)
+    if actions.checkpoint:
+        with progress.aside("checkpoint"):  # the time the step is blocked: staging, or the whole write
+            run.saver.save(state, final=final)
 
 
 def downstream_evals(cfg: Config) -> Any:
