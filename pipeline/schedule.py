@@ -82,6 +82,13 @@ def check(
     heads: Sequence[int], d_model: int, h_base: int, tp: int = 1, *, replicate_indivisible: bool = False
 ) -> list[Violation]:
     """Every rule and guideline the schedule breaks (empty list: it is a valid Prism schedule)."""
+    return broken_rules(heads, d_model, h_base, tp, replicate_indivisible) + broken_guidelines(heads, d_model, h_base)
+
+
+def broken_rules(
+    heads: Sequence[int], d_model: int, h_base: int, tp: int, replicate_indivisible: bool
+) -> list[Violation]:
+    """The hard rules: without them the model cannot be built or is not a Prism schedule."""
     out: list[Violation] = []
     bad = [i for i, h in enumerate(heads) if d_model % h]
     if bad:
@@ -114,7 +121,12 @@ def check(
                 f"with tensor parallel size {tp} every head count must be a multiple of {tp}; layer(s) {_layers(not_tp)} have {sorted({heads[i] for i in not_tp})} heads",
             )
         )
+    return out
 
+
+def broken_guidelines(heads: Sequence[int], d_model: int, h_base: int) -> list[Violation]:
+    """The paper's guidelines: errors unless a config sets allow_guideline_violations."""
+    out: list[Violation] = []
     runs = stages(heads)
     short_or_long = [(h, s, e) for h, s, e in runs[:-1] if not 2 <= e - s <= 4]
     if short_or_long:

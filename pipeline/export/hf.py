@@ -14,6 +14,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +170,10 @@ def export(
     """Write the Hugging Face folder for a checkpoint; returns {out, architecture, parameters, mlflow}.
     log=False: a scratch export, not logged to the run's MLflow (prism generate on a checkpoint)."""
     from huggingface_hub import save_torch_state_dict
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     from pipeline import checkpoint
     from pipeline.export import convert
-    from pipeline.inference import load_config, load_tokenizer, read_whole_weights, tokenizer_file
+    from pipeline.inference import load_config, load_tokenizer, read_whole_weights
 
     tag_dir = checkpoint.resolve_tag_dir(checkpoint_path)
     cfg = load_config(tag_dir, overrides)
@@ -195,30 +196,14 @@ def export(
     arch = architecture(cfg)
     parameters = sum(v.numel() for v in hf_weights.values())
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with written_whole(out) as tmp:
         save_torch_state_dict(hf_weights, tmp, max_shard_size=MAX_SHARD_SIZE)
-        config = hf_config(cfg, eos_id, dtype)
-        config.save_pretrained(tmp)
+        hf_config(cfg, eos_id, dtype).save_pretrained(tmp)
         if arch == "prism":
             for name in REMOTE_CODE:
                 shutil.copyfile(HERE / name, tmp / name)
-        GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(tmp)
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_file=str(tokenizer_file(cfg)), eos_token=cfg.data.eos_token, model_max_length=cfg.model.seq_len
-        )
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(cfg, eos_id, tmp)
         (tmp / "README.md").write_text(model_card(cfg, info, arch, parameters, dtype, run_facts(tag_dir)))
-        for path in tmp.iterdir():  # mkdtemp made the folder private; the export is for sharing
-            path.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)  # the folder appears whole, or not at all
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "out": str(out),
         "architecture": arch,
@@ -227,6 +212,38 @@ def export(
         "step": info.step,
         "mlflow": log_export(cfg, info, out) if log else {"logged": False, "reason": "scratch export"},
     }
+
+
+@contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A private folder beside ``out`` to write the export into; when the block ends it replaces ``out``, so the
+    folder appears whole or not at all, and on any error it is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        for path in tmp.iterdir():  # mkdtemp made the folder private; the export is for sharing
+            path.chmod(0o644)
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_tokenizer(cfg: Config, eos_id: int, folder: Path) -> None:
+    """The run's tokenizer, and a generation config whose BOS, EOS and pad are its EOS token."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from pipeline.inference import tokenizer_file
+
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file(cfg)), eos_token=cfg.data.eos_token, model_max_length=cfg.model.seq_len
+    )
+    tokenizer.save_pretrained(folder)
 
 
 def log_export(cfg: Config, info, out: Path) -> dict[str, Any]:
