@@ -209,7 +209,7 @@ def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
 
 
 def test_local_tasks_side_by_side_split_the_cores(tiny_data, monkeypatch):
-    from data_prep.build import encode_threads
+    from data_prep.executor import encode_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     threads = {
