@@ -17,9 +17,11 @@ This module alone knows that layout: the trainer saves and loads a TrainState, r
 weights through resolve_tag_dir and read_weights. A load at another TP or DP size than the save goes through
 pipeline.reshard (DeepSpeed's universal checkpoint).
 
-It is longer than the other modules because it is one contract: the file names, the integrity record, the
-choice of tag to resume and the policy of what a resume may change all read the same layout; the parts that
-are not about that layout (the TP re-split, the key sets) live in pipeline.reshard and config.resume_keys.
+Why it is over 400 lines: it is one contract, the layout above. The file names, the integrity record, saving
+and loading, the choice of tag to resume, the policy of what a resume may change, pruning and reading weights
+back all read or write that layout, so a change to it stays in this module. The parts that are not about the
+layout live elsewhere: the TP re-split in pipeline.reshard, the key sets in config.resume_keys, how and when a
+save is written in pipeline.checkpoint_writer.
 """
 
 from __future__ import annotations

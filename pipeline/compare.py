@@ -15,9 +15,10 @@ token grid, the paper's Fig. 3a), plus downstream accuracy against tokens when t
 A metric logged twice at one step (a resume replays steps after the last checkpoint) counts once: the
 value with the latest timestamp wins. Never imports the training loop.
 
-Why one module of ~480 lines: it is one job, read -> summarize -> table/CSV -> plots -> log, each stage a few
-short functions over the same RunSeries, and every reader (`prism compare`, study, demo, search) wants the
-whole chain through `compare_arms`; split up, the stages would only pass RunSeries across files.
+Why it is over 400 lines: it is one job, read -> summarize -> table/CSV -> plots -> log, each stage a few
+short functions over the same RunSeries, and every caller of the comparison (`prism compare`, study, demo,
+search) wants the whole chain through `compare_arms`; split up, the stages would only pass RunSeries across
+files. The downstream-eval part, a table section and plot of its own, is already pipeline.compare_evals.
 """
 
 from __future__ import annotations
