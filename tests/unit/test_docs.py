@@ -72,6 +72,69 @@ def test_the_layers_read_top_down():
             assert "pipeline.runs" not in targets, f"{unit} imports pipeline.runs, a layer above it"
 
 
+def _resolve(name: str, context: list[object]) -> object | None:
+    """The object a doc's `name` denotes: `model/tp_layout.tp_split`, `pipeline/exit_codes.py`,
+    `checkpoint.tag_names`, `Config.run_name`, `cfg.layer_plan`, or a bare name from a module named earlier in
+    the same cell (``context``); None when nothing of that name exists."""
+    import importlib
+
+    from pipeline.config import Config
+
+    name = re.sub(r"\(.*\)$", "", name)
+    if name.endswith(".py"):
+        return next((p for p in (ROOT / name, ROOT / "pipeline" / name) if p.is_file()), None)
+    folder, _, dotted = name.rpartition("/")
+    parts = (folder.replace("/", ".") + "." + dotted if folder else dotted).split(".")
+    if parts[0] == "cfg":
+        parts[0] = "Config"
+    for start in ([], ["pipeline"], ["pipeline", "config"]):
+        full = start + parts
+        for cut in range(len(full), 0, -1):
+            try:
+                obj: object = importlib.import_module(".".join(full[:cut]))
+            except ImportError:
+                continue
+            for attr in full[cut:]:
+                obj = getattr(obj, attr, None) if obj is not None else None
+            if obj is not None:
+                return obj
+            break
+    if parts[0] == "Config":
+        obj = Config
+        for attr in parts[1:]:
+            obj = getattr(obj, attr, None) or getattr(obj, "__dataclass_fields__", {}).get(attr)
+        return obj
+    return next((getattr(c, name) for c in reversed(context) if hasattr(c, name)), None)
+
+
+def test_every_owner_the_architecture_names_exists():
+    """The owners table names real code: each `name` in its owner column is a module, function, class,
+    constant or file of this checkout, or a config key or manifest field the source spells out. A rename
+    that leaves the table behind fails here."""
+    import inspect
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("\n## Owners\n", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| decision")]
+    assert len(rows) >= 15, "the owners table went missing"
+    source = "".join(p.read_text() for root in ("pipeline", "data_prep") for p in (ROOT / root).rglob("*.py"))
+    missing = []
+    for row in rows:
+        decision, owner = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        context: list[object] = []
+        for name in re.findall(r"`([^`]+)`", owner):
+            found = _resolve(name, context)
+            if found is None and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", name) and f'"{name}' in source.replace("'", '"'):
+                continue  # a config key or manifest field, spelled as such in the source
+            if found is None:
+                missing.append(f"{decision[:40]!r}: `{name}`")
+                continue
+            module = found if inspect.ismodule(found) else inspect.getmodule(found)
+            owner_class = getattr(module, getattr(found, "__qualname__", "").partition(".")[0], None)
+            context += [c for c in (module, owner_class, found) if c is not None]
+    assert not missing, f"docs/architecture.md names owners the code does not have: {missing}"
+
+
 def test_config_reference_lists_every_key_a_config_has():
     """Independent of the generator: the keys a loaded preset dumps, and every key the rule tables name."""
     from pipeline import config
