@@ -125,12 +125,13 @@ class Pace:
 
 
 class Progress:
-    """What the step line says about speed. Training time is the wall time between two lines less the time
-    spent aside (``with progress.aside("validation")``, ``"checkpoint"``), so a validation step does not
-    look slow; the ETA adds the validations and checkpoints still to come at their measured mean cost
-    (a validation not yet measured: a forward pass over its tokens, a third of a training step per token).
-    Downstream evals (``"eval"``) are timed and counted like validations.
-    ``clock`` is injectable so the rule can be tested with a fake one."""
+    """What the step line says about speed. Training time is what the loop measured for its steps and hands
+    over with ``trained(seconds)``: the one clock perf/step_time is read from, so the line's tok/s and the
+    logged perf/tokens_per_sec agree and a validation step does not look slow. The ETA adds the validations,
+    evals and checkpoints still to come at their measured mean cost (``with progress.aside("validation")``,
+    ``"eval"``, ``"checkpoint"``; a validation or eval not yet measured: a forward pass over its tokens, a
+    third of a training step per token). ``clock`` (elapsed time and the aside timings) is injectable so the
+    rule can be tested with a fake one."""
 
     def __init__(
         self,
@@ -153,8 +154,12 @@ class Progress:
         }
         self.spent = {"validation": [0.0, 0], "eval": [0.0, 0], "checkpoint": [0.0, 0]}  # seconds, count
         self.clock = clock
-        self.started = self.last_line = clock()
-        self.last_step, self.aside_since_line = step, 0.0
+        self.started = clock()
+        self.last_step, self.trained_since_line = step, 0.0
+
+    def trained(self, seconds: float) -> None:
+        """``seconds`` of training (steps only) since the last call."""
+        self.trained_since_line += seconds
 
     @contextlib.contextmanager
     def aside(self, kind: str) -> Iterator[None]:
@@ -163,17 +168,14 @@ class Progress:
         try:
             yield
         finally:
-            seconds = self.clock() - t0
-            self.aside_since_line += seconds
-            self.spent[kind][0] += seconds
+            self.spent[kind][0] += self.clock() - t0
             self.spent[kind][1] += 1
 
     def pace(self, step: int) -> Pace | None:
         """The rate and ETA for the line at ``step`` (after its validation, before its eval and checkpoint);
         None when no step was trained since the last line."""
-        now = self.clock()
-        steps, seconds = step - self.last_step, now - self.last_line - self.aside_since_line
-        self.last_line, self.last_step, self.aside_since_line = now, step, 0.0
+        steps, seconds = step - self.last_step, self.trained_since_line
+        self.last_step, self.trained_since_line = step, 0.0
         if steps <= 0 or seconds <= 0:
             return None
         per_step = seconds / steps
@@ -184,7 +186,7 @@ class Progress:
             + forward["eval"] * sum(s >= step for s in self.upcoming["eval"])  # its is not
             + self._mean("checkpoint", 0.0) * sum(s >= step for s in self.upcoming["checkpoint"])
         )
-        return Pace(steps * self.tokens_per_step / seconds, now - self.started, eta)
+        return Pace(steps * self.tokens_per_step / seconds, self.clock() - self.started, eta)
 
     def _mean(self, kind: str, unmeasured: float) -> float:
         seconds, count = self.spent[kind]

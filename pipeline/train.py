@@ -321,6 +321,7 @@ class UnreadSteps:
     def __init__(self, max_skips_in_a_row: int = 1) -> None:
         self.steps: list[tuple[int, StepResult]] = []
         self.since = time.perf_counter()
+        self.seconds = 0.0  # the steps of the last read-back: their wall time, the run's one training clock
         self.max_skips_in_a_row = max_skips_in_a_row
         self.skipped: list[tuple[int, StepResult]] = []  # the skipped steps of the last read-back
 
@@ -337,9 +338,10 @@ class UnreadSteps:
         since the last sync, the only honest figure once kernels run async."""
         steps, self.steps, self.skipped = self.steps, [], []
         now = time.perf_counter()
+        self.seconds = now - self.since
         for step, result in steps:
             result.read_back()
-            result.seconds = (now - self.since) / len(steps)
+            result.seconds = self.seconds / len(steps)
             if result.skipped:
                 self.skipped.append((step, result))
             if (not result.finite and not result.skipped) or result.skips_in_a_row >= self.max_skips_in_a_row:
@@ -725,6 +727,7 @@ def loop(run: Run) -> int:
         if cfg.checkpoint.every_minutes and not actions.checkpoint and run.saver.minutes_due():
             actions = step_actions(cfg, state.step, run.total_steps, stop, minutes_due=True)
         bad = unread.read_back(recent)  # the one host sync since the last sync step
+        progress.trained(unread.seconds)  # the step line's rate: the same clock as perf/step_time
         for step, skipped in unread.skipped:
             say(
                 f"prism train: step {step} skipped (loss {skipped.loss:.4f}, grad norm {skipped.grad_norm:.3f}: "

@@ -31,6 +31,7 @@ def drive() -> tuple[dict[int, object], float]:
     lines = {}
     for step in range(1, TOTAL + 1):
         clock.now += STEP_SECONDS
+        progress.trained(STEP_SECONDS)  # what the loop measured for the step
         if step in validations:
             with progress.aside("validation"):
                 clock.now += VALIDATION_SECONDS
@@ -66,6 +67,7 @@ def test_no_trained_step_since_the_last_line_gives_no_pace():
     clock.now += 1.0
     assert progress.pace(4) is None
     clock.now += 1.0
+    progress.trained(1.0)
     assert progress.pace(5).tokens_per_sec == pytest.approx(TOKENS)
 
 
@@ -78,6 +80,7 @@ def test_evals_are_timed_apart_and_counted_in_the_eta():
     lines = {}
     for step in range(1, TOTAL + 1):
         clock.now += STEP_SECONDS
+        progress.trained(STEP_SECONDS)
         if step % LOG_EVERY == 0:
             lines[step] = progress.pace(step)
         if step in evals:
@@ -89,3 +92,32 @@ def test_evals_are_timed_apart_and_counted_in_the_eta():
     for step, p in lines.items():
         if step > 10:
             assert 100.0 + p.elapsed + p.eta == pytest.approx(clock.now), step
+
+
+def test_the_step_line_and_perf_step_time_read_one_clock(monkeypatch):
+    """The loop hands Progress what UnreadSteps measured at each read-back, so the line's tok/s is
+    tokens / perf/step_time over the same steps, whatever else the sync steps spend (here 1 s of logging
+    between the read-back and the clock's restart, which neither may count)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from pipeline import train
+
+    clock = FakeClock()
+    monkeypatch.setattr(train.time, "perf_counter", clock)
+    unread, progress = train.UnreadSteps(), Progress(8, 0, TOKENS, [], [], 0, clock=clock)
+    results = []
+    for step in range(1, 9):
+        clock.now += STEP_SECONDS * (1 + step % 2)  # uneven steps: 1.0 s and 0.5 s
+        result = SimpleNamespace(read_back=lambda: None, skipped=False, finite=True, skips_in_a_row=0, loss=1.0)
+        unread.add(step, result)
+        results.append(result)
+        if step % 4:
+            continue
+        unread.read_back(deque())
+        progress.trained(unread.seconds)
+        pace = progress.pace(step)
+        clock.now += 1.0  # the line, a checkpoint: not training
+        unread.restart_clock()
+        step_time = sum(r.seconds for r in results[-4:]) / 4
+        assert pace.tokens_per_sec == pytest.approx(TOKENS / step_time) == pytest.approx(TOKENS / 0.75)
