@@ -34,6 +34,7 @@ from typing import Any
 from pipeline import compare_evals, statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.config.resume_keys import DATA_ORDER_KEYS
 from pipeline.tracking import store
 
 ARMS = ("uniform", "prism")
@@ -71,15 +72,9 @@ def latest_per_step(history: list[Any]) -> dict[int, float]:
     return {step: best[step][2] for step in sorted(best)}
 
 
-# Params that, with the seed, fix which batches a run sees in which order: pipeline.data deals shards to DP
-# ranks, so the DP size (logged by the trainer as parallel/dp_size, the size it started at) is one of them.
-DATA_ORDER_PARAMS = (
-    "data.dataset_dir",
-    "train.batch_tokens",
-    "train.micro_batch_size",
-    "model.seq_len",
-    "parallel/dp_size",
-)
+# The logged params that, with the seed, fix which batches a run sees in which order: the config's data-order
+# keys and the DP size the trainer logs as parallel/dp_size (the size the run started at).
+DATA_ORDER_PARAMS = (*DATA_ORDER_KEYS, "parallel/dp_size")
 
 
 def data_order(params: dict[str, str]) -> str:

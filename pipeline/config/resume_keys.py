@@ -15,6 +15,9 @@ from pipeline.config import Config, _plain
 
 # What a checkpoint's weights are: eval, export and generate may repoint paths, never change these.
 WEIGHT_KEYS = ("model", "schedule", "parallel.tp")
+# With the seed and the data-parallel size (pipeline.data deals shards to DP ranks): which batches a run sees
+# in which order. `prism compare` pairs two runs' seeds only when these match.
+DATA_ORDER_KEYS = ("data.dataset_dir", "train.batch_tokens", "train.micro_batch_size", "model.seq_len")
 # Keys whose change makes a checkpoint or a dataset incompatible (resume refuses, naming the key).
 MODEL_OR_DATA_KEYS = (
     "run.seed",

@@ -121,3 +121,14 @@ def test_the_data_parallel_size_is_part_of_the_data_order():
     assert summarize(uni + prism)[1]["delta_test"] == "welch"
     prism = [run("prism", s, v, "3x2,6x2,12x4", order=one) for s, v in ((1, 5.7), (2, 5.75), (3, 5.8))]
     assert summarize(uni + prism)[1]["delta_test"] == "paired"
+
+
+def test_a_resume_cannot_change_the_data_order_compare_pairs_by():
+    """compare logs each run's data order once, at its start: a resume must refuse every key of it (the DP
+    size is the exception the trainer names in params_changed_on_resume)."""
+    from pipeline.config.resume_keys import DATA_ORDER_KEYS, EXECUTION_ONLY_KEYS, MODEL_OR_DATA_KEYS
+
+    def covered(key: str, keys: tuple[str, ...]) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in keys)
+
+    assert all(covered(k, MODEL_OR_DATA_KEYS) and not covered(k, EXECUTION_ONLY_KEYS) for k in DATA_ORDER_KEYS)
