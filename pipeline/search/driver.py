@@ -113,6 +113,8 @@ class Driver:
 
     def launch(self, rec: dict[str, Any]) -> None:
         found = self.launcher.find(rec)  # started by a driver killed before it wrote the pid down
+        if not found and rec["kind"] == "trial":
+            report.child_run(self.spec, self.state, self.uri, rec, self.say)
         rec["handle"] = found or self.launcher.start(rec)
         rec["status"] = "running"
         self.state.save()
@@ -258,7 +260,6 @@ class Driver:
             for rec in list(self.state.runs.values()):
                 if rec["kind"] == "trial" and rec["status"] in ("running", "stopping"):
                     self.step(rec)
-            report.tag_children(self.spec, self.state, self.uri)
             active = [r for r in self.state.runs.values() if r["status"] in ("running", "stopping", "launching")]
             asked = sum(t.state != TrialState.WAITING for t in self.study.get_trials(deepcopy=False))
             while len(active) < s.concurrency and asked < s.trials:

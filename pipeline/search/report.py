@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.console import duration
-from pipeline.runs.outcome import run_id_of, tokens_trained, val_losses
+from pipeline.runs.outcome import tokens_trained, val_losses
 from pipeline.search.spec import SearchSpec
 
 
@@ -50,31 +50,28 @@ def parent_run(spec: SearchSpec, state: Any, uri: str, say: Any) -> None:
         say(f"  (MLflow parent run not created: {str(e).splitlines()[0][:160]}; trials still log)")
 
 
-def tag_children(spec: SearchSpec, state: Any, uri: str) -> None:
-    parent = state.data.get("parent_run_id")
-    if not parent:
-        return
+def child_run(spec: SearchSpec, state: Any, uri: str, rec: dict[str, Any], say: Any) -> None:
+    """A trial's MLflow run, made before its `prism train` starts: a child of the search's parent run, named
+    <search>-<trial> and tagged with the trial number. Its id goes into the trial's journal, so the trainer
+    logs into it instead of making a run of its own. Without a parent run or a reachable store the trial
+    logs as a run of its own (a search never stops for tracking)."""
     from pipeline.tracking import store
+    from pipeline.tracking.journal import Delivery, Journal
 
-    for rec in state.runs.values():
-        if rec["kind"] != "trial" or rec.get("tagged"):
-            continue
-        run_id = run_id_of(rec)
-        if run_id is None:
-            continue
-        try:
-            client = store.client(uri)
-            for key, value in (
-                ("mlflow.parentRunId", parent),
-                ("search", spec.name),
-                ("search.trial", str(rec["trial"])),
-                ("mlflow.runName", f"{spec.name}-{rec['key']}"),
-            ):
-                client.set_tag(run_id, key, value)
-            rec["tagged"] = True
-            state.save()
-        except Exception:  # noqa: BLE001 - tried again at the next look
-            return
+    parent = state.data.get("parent_run_id")
+    journal = Journal(rec["checkpoint_dir"])
+    if not parent or journal.state()["run_id"] is not None:  # made already, by a driver killed before launch
+        return
+    try:
+        run = store.client(uri).create_run(
+            Delivery(uri, spec.name, journal).experiment_id(),
+            run_name=f"{spec.name}-{rec['key']}",
+            tags={"mlflow.parentRunId": parent, "search": spec.name, "search.trial": str(rec["trial"])},
+        )
+        journal.folder.mkdir(parents=True, exist_ok=True)
+        journal.save_state(run_id=run.info.run_id)
+    except Exception as e:  # noqa: BLE001 - a search never stops for tracking
+        say(f"  ({rec['key']}: its MLflow run is not a child of the search's: {str(e).splitlines()[0][:160]})")
 
 
 # --- results: table, plot, logged to the parent run ---------------------------------------------------

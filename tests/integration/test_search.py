@@ -146,6 +146,16 @@ def test_search_prunes_with_checkpoints_leaves_no_process_and_picks_the_best(kil
     client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
     history = client.get_metric_history(outcome.run_id_of(lowest), "val/loss")
     assert max(history, key=lambda m: m.step).value == pytest.approx(lowest["final_val"])
+    # each trial's run was made a child of the search's parent run, named for the trial, before it started
+    runs = client.search_runs([client.get_experiment_by_name("tiny-search").experiment_id], max_results=100)
+    [parent] = [r for r in runs if r.data.tags.get("kind") == "search"]
+    children = {r.data.tags.get("search.trial"): r for r in runs if r.data.tags.get("kind") == "train"}
+    assert sorted(children) == [str(r["trial"]) for r in sorted(trials, key=lambda r: r["trial"])]
+    for r in trials:
+        child = children[str(r["trial"])]
+        assert child.info.run_id == outcome.run_id_of(r), r["key"]
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.info.run_name == f"tiny-search-{r['key']}"
     assert "| trial | schedule |" in out.stdout and (folder / "results.png").is_file()
 
 
