@@ -175,15 +175,16 @@ def writer_parts(cfg, tokenizer_path: str, out: Path) -> dict:
     from data_prep.tokenize_to_shards import _SplitPacker, encode_tar, is_val
     from pipeline.atomic import write_atomic
 
-    ident = data_identity(cfg, tokenizer_info(tokenizer_path, cfg.data.eos_token, cfg.model.vocab_size))
-    reader, writer = build_pipeline(cfg, tokenizer_path, ident)
+    tok_info = tokenizer_info(tokenizer_path, cfg.data.eos_token, cfg.model.vocab_size)
+    ident = data_identity(cfg, tok_info)
+    reader, writer = build_pipeline(cfg, tokenizer_path, ident, tok_info["eos_id"])
     t = time.perf_counter()
     docs = list(reader.run(None, 0, 1))
     parts = {"reader_s": time.perf_counter() - t}
 
     tok = writer.tokenizer  # as the tasks load it
     tok.encode_special_tokens = True
-    eos_id = tok.token_to_id(writer.document_end)
+    eos_id = writer.eos_id
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     batch = writer.batch_size
     t = time.perf_counter()

@@ -27,7 +27,7 @@ from data_prep.executor import INPUT_GLOBS, build_executor, build_manifest_execu
 from data_prep.manifest import PREP, STATE, data_hash, first_difference, read_json, write_manifest
 from pipeline.atomic import folder_write_problem, write_atomic, write_failure_cause
 from pipeline.config import Config
-from pipeline.dataset import MANIFEST, DataError, dtype_for_vocab, sha256_file
+from pipeline.dataset import MANIFEST, DataError, dtype_for_vocab, eos_id, sha256_file
 
 EMBEDDED_CORPUS_BYTES = 8_000_000  # ~2M tokens: enough for the tiny presets, built in ~20 s
 EMBEDDED_CORPUS_FILES = 8
@@ -117,16 +117,14 @@ def tokenizer_info(path: str, eos_token: str, vocab_limit: int) -> dict[str, Any
         tok = Tokenizer.from_file(path)
     except Exception as e:  # noqa: BLE001
         raise DataError(f"{path}: not a tokenizers tokenizer.json ({e}); pass a valid file") from None
-    eos_id = tok.token_to_id(eos_token)
-    if eos_id is None:
-        raise DataError(f"data.eos_token={eos_token!r} is not in the tokenizer {path}; set data.eos_token")
+    eos = eos_id(tok, eos_token, path)
     vocab = tok.get_vocab_size()
     if vocab > vocab_limit:
         raise DataError(
             f"model.vocab_size={vocab_limit} is smaller than the tokenizer's vocabulary ({vocab}); set "
             f"model.vocab_size={vocab}"
         )
-    return {"name_or_path": path, "vocab_size": vocab, "eos_id": eos_id, "sha256": sha256_file(path)}
+    return {"name_or_path": path, "vocab_size": vocab, "eos_id": eos, "sha256": sha256_file(path)}
 
 
 def data_identity(cfg: Config, tok: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +284,7 @@ def prepare_dataset(cfg: Config, overwrite: bool = False, quiet: bool = False) -
             state = {"identity": ident, "tasks": d.tasks, "tokenizer": {**tok, "name_or_path": d.tokenizer}}
             write_atomic(out / STATE, _json(state))
     logs_dir = (out / PREP / "logs").resolve()
-    executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident), logs_dir)
+    executor = build_executor(cfg, build_pipeline(cfg, tokenizer_path, ident, tok["eos_id"]), logs_dir)
     start = time.perf_counter()
     if d.executor == "slurm":
         build_manifest_executor(cfg, executor, logs_dir).run()  # launches its dependency (the array) first

@@ -18,7 +18,7 @@ from pipeline.dataset import DataError
 INPUT_GLOBS = {"parquet": "**/*.parquet", "embedded": "**/*.parquet", "jsonl": "**/*.jsonl*"}
 
 
-def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> list:
+def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any], eos_id: int) -> list:
     from data_prep.steps import PrismJsonlReader, PrismParquetReader
 
     d = cfg.data
@@ -29,7 +29,7 @@ def build_pipeline(cfg: Config, tokenizer_path: str, ident: dict[str, Any]) -> l
     writer = TokenizeToShards(
         dataset_dir=str(Path(d.dataset_dir).resolve()),
         tokenizer_name_or_path=str(Path(tokenizer_path).resolve()),
-        eos_token=d.eos_token,
+        eos_id=eos_id,
         seq_len=cfg.model.seq_len,
         sequences_per_sample=d.sequences_per_sample,
         samples_per_shard={"train": d.samples_per_shard, "val": d.val_samples_per_shard},

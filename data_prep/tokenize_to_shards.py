@@ -123,7 +123,7 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         self,
         dataset_dir: str,
         tokenizer_name_or_path: str,
-        eos_token: str,
+        eos_id: int,
         seq_len: int,
         sequences_per_sample: int,
         samples_per_shard: dict[str, int],
@@ -136,7 +136,7 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         # No eos_token for datatrove: its tokenizer would append EOS in a post-processor, which made encoding
         # ~4 % slower than the plain tokenizer here (benchmarks/bench_tokenize.py); the packer appends it.
         super().__init__(tokenizer_name_or_path)
-        self.document_end = eos_token
+        self.eos_id = eos_id  # data.eos_token's id, looked up once by prepare (dataset.eos_id)
         self.dataset_dir = str(dataset_dir)
         self.seq_len = seq_len
         self.sequences_per_sample = sequences_per_sample
@@ -165,7 +165,6 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
         # Text that happens to contain "<|endoftext|>" is encoded as plain text: EOS only ends documents.
         tokenizer.encode_special_tokens = True
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
-        eos_id = tokenizer.token_to_id(self.document_end)
         packers = {
             split: _SplitPacker(
                 split,
@@ -175,7 +174,7 @@ class TokenizeToShards(NoPackageScan, PipelineStepWithTokenizer):
                 self.sequences_per_sample,
                 self.samples_per_shard[split],
                 self.dtype,
-                eos_id,
+                self.eos_id,
             )
             for split in SPLITS
         }

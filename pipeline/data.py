@@ -30,7 +30,16 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import Config
-from pipeline.dataset import MANIFEST, DataError, iter_rows, read_manifest, read_shard, sample_bytes, sha256_file
+from pipeline.dataset import (
+    MANIFEST,
+    DataError,
+    eos_id,
+    iter_rows,
+    read_manifest,
+    read_shard,
+    sample_bytes,
+    sha256_file,
+)
 
 
 def checked_manifest(cfg: Config) -> dict[str, Any]:
@@ -101,6 +110,7 @@ def check_compatible(
                 f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); "
                 + (f"{fix} data.tokenizer" if fix else "point data.tokenizer at the dataset's tokenizer or re-prepare")
             )
+        check_eos(manifest, cfg, local, where)
     else:  # a Hub name: data prep recorded the name it was given
         used = manifest["config"].get("data.tokenizer", tok["name_or_path"])
         if used != cfg.data.tokenizer:
@@ -108,6 +118,20 @@ def check_compatible(
                 f"{where}: dataset tokenizer {used!r} differs from data.tokenizer={cfg.data.tokenizer!r}; "
                 + (f"{fix} data.tokenizer" if fix else "use the same tokenizer or re-prepare")
             )
+
+
+def check_eos(manifest: dict[str, Any], cfg: Config, tokenizer_path: Path, where: Path) -> None:
+    """Refuse a run whose data.eos_token is not the token the dataset's documents end with (the manifest's
+    tokenizer.eos_id): its evals and exports would end documents with another token than it trained on."""
+    from tokenizers import Tokenizer
+
+    used = manifest["tokenizer"]["eos_id"]
+    if eos_id(Tokenizer.from_file(str(tokenizer_path)), cfg.data.eos_token, tokenizer_path) != used:
+        spelled = manifest["config"].get("data.eos_token", f"the token of id {used}")
+        raise DataError(
+            f"{where}: the dataset ends documents with {spelled!r} (token {used}), not data.eos_token="
+            f"{cfg.data.eos_token!r}; set data.eos_token={spelled!r} or re-prepare"
+        )
 
 
 # --- the loader ---------------------------------------------------------------------------------------

@@ -36,6 +36,15 @@ class DataError(ConfigError):
     """A dataset that cannot be used as asked (one line: what is wrong and how to fix it)."""
 
 
+def eos_id(tokenizer: Any, eos_token: str, where: str | Path) -> int:
+    """The id of ``eos_token`` (data.eos_token) in a loaded tokenizer: the one lookup, for `prism prepare`
+    (the id the shards end documents with, recorded in the manifest), the compatibility check and eval."""
+    found = tokenizer.token_to_id(eos_token)
+    if found is None:
+        raise DataError(f"data.eos_token={eos_token!r} is not in the tokenizer {where}; set data.eos_token")
+    return found
+
+
 # --- names ----------------------------------------------------------------------------------------------
 def shard_name(split: str, rank: int, index: int) -> str:
     """Path of a shard relative to the dataset folder."""

@@ -16,6 +16,7 @@ from pipeline import checkpoint, model_size
 from pipeline import config as config_lib
 from pipeline.config import Config, ConfigError
 from pipeline.config.resume_keys import WEIGHT_KEYS
+from pipeline.dataset import eos_id
 from pipeline.distributed import resolve_device
 
 
@@ -91,7 +92,4 @@ def load_tokenizer(cfg: Config):
 
     path = tokenizer_file(cfg)
     tok = Tokenizer.from_file(str(path))
-    eos = tok.token_to_id(cfg.data.eos_token)
-    if eos is None:
-        raise ConfigError(f"data.eos_token={cfg.data.eos_token!r} is not in {path}; set data.eos_token")
-    return tok, eos
+    return tok, eos_id(tok, cfg.data.eos_token, path)

@@ -192,10 +192,10 @@ def test_slurm_executor_wraps_the_same_pipeline(tiny_data, tmp_path):
         "data.slurm.cpus_per_task=3",
     )
     ident = {"data.samples_per_shard": 16, "data.val_samples_per_shard": 2, "dtype": "uint16"}
-    pipeline = build_pipeline(cfg, str(tiny_data.tokenizer), ident)
+    pipeline = build_pipeline(cfg, str(tiny_data.tokenizer), ident, 7)
     slurm = build_executor(cfg, pipeline, tmp_path / "logs")
     assert isinstance(slurm, SlurmPipelineExecutor) and slurm.pipeline is pipeline
-    assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].document_end == "<|endoftext|>"
+    assert isinstance(pipeline[1], TokenizeToShards) and pipeline[1].eos_id == 7
     assert pipeline[1].eos_token is None  # datatrove's EOS post-processor is off: the packer appends EOS
     assert pipeline[1].encode_threads is None  # each Slurm task has its own cpus_per_task
     script = slurm.get_launch_file_contents(slurm.get_sbatch_args(max_array=4), "launch_pickled_pipeline x.pik")
@@ -236,10 +236,12 @@ def test_writer_sizes_the_tokenizer_pool_of_its_task_and_appends_eos_itself(tiny
     from data_prep.manifest import rank_record
 
     monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
     writer = TokenizeToShards(
         str(tmp_path),
         str(tiny_data.tokenizer),
-        "<|endoftext|>",
+        eos,
         8,
         1,
         {"train": 1, "val": 1},
@@ -251,8 +253,6 @@ def test_writer_sizes_the_tokenizer_pool_of_its_task_and_appends_eos_itself(tiny
     texts = ["one two three", "four", "five six", "seven eight nine ten"]
     list(writer.run(iter(Document(text=t, id=str(i)) for i, t in enumerate(texts)), rank=0, world_size=1))
     assert os.environ["RAYON_NUM_THREADS"] == "1"
-    tok = Tokenizer.from_file(str(tiny_data.tokenizer))
-    eos = tok.token_to_id("<|endoftext|>")
     expected = np.concatenate([np.array(tok.encode(t, add_special_tokens=False).ids + [eos]) for t in texts])
     record = json.loads(rank_record(tmp_path, 0).read_text())["train"]
     assert record["tokens_encoded"] == len(expected) and record["documents"] == len(texts)
@@ -269,7 +269,7 @@ def test_writer_sizes_the_tokenizer_pool_of_its_task_and_appends_eos_itself(tiny
 def test_reader_yields_text_and_id_only(tiny_data):
     """FineWeb rows carry url, dump, date, language...: the reader reads neither those columns nor adds a
     file_path to each document; the writer uses text and id alone."""
-    reader = build_pipeline(load(tiny_data), str(tiny_data.tokenizer), {"dtype": "uint16"})[0]
+    reader = build_pipeline(load(tiny_data), str(tiny_data.tokenizer), {"dtype": "uint16"}, 0)[0]
     docs = list(reader.run(None, 0, 1))
     assert len(docs) > 0 and all(d.metadata == {} and d.text and d.id for d in docs)
     assert len(pq.read_schema(sorted(tiny_data.corpus_dir.glob("*.parquet"))[0]).names) > 2
@@ -322,7 +322,7 @@ def test_prism_steps_skip_datatroves_package_scan(monkeypatch, tmp_path):
     monkeypatch.setattr(base, "check_required_dependencies", scan)
     PrismParquetReader(str(tmp_path))
     PrismJsonlReader(str(tmp_path))
-    TokenizeToShards(str(tmp_path), "gpt2", "<|endoftext|>", 16, 1, {"train": 1, "val": 1}, 0.1, "uint16")
+    TokenizeToShards(str(tmp_path), "gpt2", 50256, 16, 1, {"train": 1, "val": 1}, 0.1, "uint16")
     with pytest.raises(AssertionError, match="package scan"):  # what a plain datatrove step does
         from datatrove.pipeline.readers import ParquetReader
 

@@ -152,6 +152,17 @@ def test_refuses_mismatched_vocab_and_seq_len(tiny_data):
         data.check_compatible(dataset.read_manifest(tiny_data.dataset_dir), load_cfg(tiny_data, "model.vocab_size=100"))
 
 
+def test_refuses_an_eos_token_the_dataset_did_not_end_documents_with(tiny_data):
+    """The manifest records the id prepare ended documents with; a run naming another data.eos_token would
+    evaluate and export with a document end it never trained on."""
+    manifest = dataset.read_manifest(tiny_data.dataset_dir)
+    data.check_compatible(manifest, load_cfg(tiny_data))  # the token prepare used
+    with pytest.raises(
+        DataError, match=r"ends documents with '<\|endoftext\|>' \(token \d+\), not data.eos_token='the'"
+    ):
+        data.check_compatible(manifest, load_cfg(tiny_data, "data.eos_token=the"))
+
+
 # --- the dataset format (pipeline.dataset) ----------------------------------------------------------------
 def write_dataset(root: Path, seq_len: int = 8, sequences_per_sample: int = 2, samples_per_shard: int = 3):
     """A hand-made dataset in the on-disk format (2 train shards, 1 val shard of random tokens), written with
