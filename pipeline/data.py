@@ -21,6 +21,7 @@ between files. The manifest checks before it (about 75) are what a start runs be
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import asdict, dataclass
@@ -110,7 +111,7 @@ def check_compatible(
                 f"data.tokenizer={cfg.data.tokenizer} (sha256 {sha[:12]}); "
                 + (f"{fix} data.tokenizer" if fix else "point data.tokenizer at the dataset's tokenizer or re-prepare")
             )
-        check_eos(manifest, cfg, local, where)
+        check_eos(manifest, cfg, eos_of(str(local), sha, cfg.data.eos_token), where, fix)
     else:  # a Hub name: data prep recorded the name it was given
         used = manifest["config"].get("data.tokenizer", tok["name_or_path"])
         if used != cfg.data.tokenizer:
@@ -120,17 +121,26 @@ def check_compatible(
             )
 
 
-def check_eos(manifest: dict[str, Any], cfg: Config, tokenizer_path: Path, where: Path) -> None:
-    """Refuse a run whose data.eos_token is not the token the dataset's documents end with (the manifest's
-    tokenizer.eos_id): its evals and exports would end documents with another token than it trained on."""
+@functools.lru_cache(maxsize=4)
+def eos_of(tokenizer_path: str, sha: str, eos_token: str) -> int:
+    """data.eos_token's id in the tokenizer file, read once per start however many datasets are checked
+    (its sha256 is in the key: a file rewritten since is read again)."""
     from tokenizers import Tokenizer
 
+    return eos_id(Tokenizer.from_file(tokenizer_path), eos_token, tokenizer_path)
+
+
+def check_eos(manifest: dict[str, Any], cfg: Config, run_eos: int, where: Path, fix: str | None = None) -> None:
+    """Refuse a run whose data.eos_token (id ``run_eos``) is not the token the dataset's documents end with
+    (the manifest's tokenizer.eos_id): its evals and exports would end documents with another token than it
+    trained on. ``fix``: the advice for a validation set, which must match the run."""
     used = manifest["tokenizer"]["eos_id"]
-    if eos_id(Tokenizer.from_file(str(tokenizer_path)), cfg.data.eos_token, tokenizer_path) != used:
+    if run_eos != used:
         spelled = manifest["config"].get("data.eos_token", f"the token of id {used}")
         raise DataError(
             f"{where}: the dataset ends documents with {spelled!r} (token {used}), not data.eos_token="
-            f"{cfg.data.eos_token!r}; set data.eos_token={spelled!r} or re-prepare"
+            f"{cfg.data.eos_token!r}; "
+            + (f"{fix} data.eos_token" if fix else f"set data.eos_token={spelled!r} or re-prepare")
         )
 
 
