@@ -1,10 +1,17 @@
-"""Small-sample statistics for the arms comparison, pure Python (no scipy at run time; tests check against it).
+"""Statistics for the arms comparison, on scipy.stats: differences between arms and the tests behind them.
 
-Seeds are few (3 in the paper), so everything uses Student's t: a 95 % confidence interval and a two-sided
-p-value for the Prism − uniform difference, paired by seed when both arms ran the same seeds on the same
-data order (the difference per seed cancels the data-order noise), Welch's unequal-variance test otherwise.
-`seeds_needed` answers "how many seeds would this effect and this noise need": the smallest n at which a
-two-sided test at level alpha detects the observed mean difference with the given power.
+Two kinds of noise, each with its own test:
+- **Training noise (seeds).** Seeds are few (3 in the paper), so a difference between arms over seeds uses
+  Student's t: a 95 % confidence interval and a two-sided p-value for the Prism − uniform difference, paired by
+  seed when both arms ran the same seeds on the same data order (the difference per seed cancels the
+  data-order noise), Welch's unequal-variance test otherwise. `seeds_needed` answers "how many seeds would this
+  effect and this noise need": the smallest n at which a two-sided test at level alpha detects the observed
+  mean difference with the given power.
+- **Evaluation noise (items, sequences).** Both arms answer the same benchmark items and score the same
+  validation sequences, so a difference can be paired item by item: `mcnemar` (exact, on the items one arm
+  got right and the other wrong), `paired_bootstrap` (items resampled, and seed pairs too when there are
+  several), `paired_difference` over sequences. `two_proportion_test` is what a test on the two accuracies
+  alone would say, for contrast: it ignores the pairing, so it needs a much larger difference.
 """
 
 from __future__ import annotations
@@ -13,78 +20,32 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+from scipy import stats
+
 NAN = float("nan")
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample std (ddof=1); std is nan for fewer than two values, both nan for none."""
-    n = len(values)
-    if n == 0:
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
         return NAN, NAN
-    mean = sum(values) / n
-    if n < 2:
+    mean = float(x.mean())
+    if x.size < 2:
         return mean, NAN
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-
-
-# --- Student's t through the regularized incomplete beta function ---------------------------------------
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """Continued fraction of I_x(a, b), evaluated with the modified Lentz method."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 500):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return result
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b) for a, b > 0, 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side; use the symmetry otherwise
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with df degrees of freedom (df may be fractional, as in Welch's test)."""
-    tail = 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The t with t_cdf(t, df) = p, by bisection (monotone, so robust for any df > 0)."""
-    lo, hi = -1e6, 1e6
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    return mean, float(x.std(ddof=1))
 
 
 # --- the difference between two arms -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Difference:
-    """mean(b) − mean(a) with its standard error, t, df, 95 % CI and two-sided p-value."""
+    """mean(b) − mean(a) with its standard error, df, interval (at the level asked, 95 % by default) and
+    two-sided p-value. ``method`` names the test: "paired" (t over pairs: seeds, or sequences), "welch" (t
+    for two independent groups) or "paired bootstrap" (df is nan there)."""
 
-    method: str  # "paired" (by seed) or "welch"
-    n: int  # pairs (paired) or the smaller group size (welch)
+    method: str
+    n: int  # pairs (paired), the smaller group size (welch), items (paired bootstrap)
     mean: float
     se: float
     df: float
@@ -100,16 +61,19 @@ class Difference:
 def _from_t(method: str, n: int, mean: float, se: float, df: float, level: float) -> Difference:
     if not (se > 0 and df > 0):  # one seed, or identical values: no interval
         return Difference(method, n, mean, se if se == se else NAN, df, NAN, NAN, NAN)
-    half = t_quantile(0.5 + level / 2.0, df) * se
-    p = 2.0 * t_cdf(-abs(mean / se), df)
+    half = float(stats.t.ppf(0.5 + level / 2.0, df)) * se
+    p = 2.0 * float(stats.t.cdf(-abs(mean / se), df))
     return Difference(method, n, mean, se, df, mean - half, mean + half, p)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Difference:
-    """b − a over pairs (a[i], b[i]): the one-sample t-test of the per-pair differences."""
+    """b − a over pairs (a[i], b[i]): the one-sample t-test of the per-pair differences.
+
+    Pairs are seeds (training noise) or, for one pair of runs, the validation sequences both arms scored (the
+    interval then measures which sequences the validation set happens to hold, not training noise)."""
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in length ({len(a)} vs {len(b)})")
-    diffs = [y - x for x, y in zip(a, b)]
+    diffs = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
     mean, std = mean_std(diffs)
     n = len(diffs)
     return _from_t("paired", n, mean, std / math.sqrt(n) if n > 1 else NAN, n - 1, level)
@@ -140,14 +104,11 @@ def seeds_needed(
     if not (noise_sd > 0 and effect == effect and effect != 0 and noise_sd == noise_sd):
         return None
     groups = 1 if paired else 2
-    n = 2
-    while n <= cap:
-        df = n - 1 if paired else 2 * n - 2
-        z = t_quantile(1 - alpha / 2, df) + t_quantile(power, df)
-        if n >= groups * (z * noise_sd / abs(effect)) ** 2:
-            return n
-        n += 1
-    return cap + 1
+    n = np.arange(2, cap + 1)
+    df = n - 1 if paired else 2 * n - 2
+    z = stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)
+    enough = np.flatnonzero(n >= groups * (z * noise_sd / abs(effect)) ** 2)
+    return int(n[enough[0]]) if enough.size else cap + 1
 
 
 def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -155,5 +116,77 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, 
     mean, std = mean_std(values)
     if len(values) < 2:
         return mean, NAN, NAN
-    half = t_quantile(0.5 + level / 2.0, len(values) - 1) * std / math.sqrt(len(values))
+    half = float(stats.t.ppf(0.5 + level / 2.0, len(values) - 1)) * std / math.sqrt(len(values))
     return mean, mean - half, mean + half
+
+
+# --- item-paired tests: both arms scored on the same items ---------------------------------------------
+def mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value from the discordant counts of one seed pair scored on the same items.
+
+    ``b``: items only arm A got right; ``c``: items only arm B got right (items both got right or both got wrong
+    say nothing about the difference). Under "no difference" each discordant item is a fair coin, so the
+    p-value is the two-sided binomial test of b out of b + c at 1/2. 1.0 when there is no discordant item.
+    It measures evaluation noise only (which items the benchmark holds), for these two trained models."""
+    if b < 0 or c < 0:
+        raise ValueError(f"discordant counts must be >= 0 (got b={b}, c={c})")
+    if b + c == 0:
+        return 1.0
+    return float(stats.binomtest(int(b), int(b + c), 0.5).pvalue)
+
+
+def two_proportion_test(correct_a: int, correct_b: int, n: int) -> float:
+    """Two-sided p-value of the unpaired test on two accuracies over ``n`` items each: Pearson's chi-square on
+    the 2x2 table (right/wrong by arm, no continuity correction; the same p as the pooled two-proportion z
+    test). It is what the two accuracies alone can tell, as if the arms had answered different items: the
+    contrast that shows what pairing by item buys. 1.0 when every item got the same answer in both arms."""
+    if n <= 0 or not (0 <= correct_a <= n and 0 <= correct_b <= n):
+        raise ValueError(f"correct counts must lie in 0..n (got {correct_a}, {correct_b} of n={n})")
+    right = correct_a + correct_b
+    if right in (0, 2 * n):  # a column of zeros: no variance, no evidence of a difference
+        return 1.0
+    table = [[correct_a, n - correct_a], [correct_b, n - correct_b]]
+    return float(stats.chi2_contingency(table, correction=False).pvalue)
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, level: float = 0.95, iters: int = 2000, seed: int = 0) -> Difference:
+    """Δ = mean(b − a) over items, averaged over seed pairs, with a percentile bootstrap interval.
+
+    ``a``, ``b``: float arrays of shape (pairs, items) (a 1-D array is one pair); row i of ``a`` and row i of
+    ``b`` are one seed pair scored on the same items in the same order (0/1 correctness, or a continuous
+    score such as bits per byte). Each replicate resamples the items (one draw shared by all pairs, so the
+    pairing by item holds) and, when pairs > 1, the pairs too: the interval measures evaluation noise (which
+    items the benchmark holds) and, with several pairs, training noise (which seeds were run) as well.
+
+    Returns a Difference with method "paired bootstrap", n = items, mean = Δ, se = the replicates' std,
+    df = nan, low/high = the replicates' percentiles at (1 ∓ level)/2, and p_value = an approximate two-sided
+    bootstrap p: twice the share of replicates on the other side of 0 from Δ, capped at 1 and floored at
+    1/iters (the bootstrap cannot resolve smaller p). Vectorized: each replicate's Δ is the per-pair item sums
+    weighted by how often each item (and pair) was drawn."""
+    a2, b2 = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
+    if a2.shape != b2.shape or a2.ndim != 2:
+        raise ValueError(f"paired arrays must have one shape (pairs, items) (got {a2.shape} vs {b2.shape})")
+    pairs, items = a2.shape
+    if items == 0:
+        raise ValueError("paired_bootstrap needs at least one item")
+    diff = b2 - a2
+    mean = float(diff.mean())
+    rng = np.random.default_rng(seed)
+    replicates = np.empty(iters)
+    chunk = max(1, 4_000_000 // items)  # bounds the (chunk, items) count matrix to ~32 MB
+    for start in range(0, iters, chunk):
+        size = min(chunk, iters - start)
+        drawn = rng.integers(0, items, size=(size, items)) + items * np.arange(size)[:, None]
+        counts = np.bincount(drawn.ravel(), minlength=size * items).reshape(size, items)
+        sums = counts @ diff.T  # (size, pairs): each pair's item sum under this item draw
+        if pairs > 1:
+            picks = rng.integers(0, pairs, size=(size, pairs)) + pairs * np.arange(size)[:, None]
+            weights = np.bincount(picks.ravel(), minlength=size * pairs).reshape(size, pairs)
+            sums = sums * weights
+        replicates[start : start + size] = sums.sum(axis=1) / (pairs * items)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(replicates, [tail, 1.0 - tail])
+    other_side = np.mean(replicates <= 0) if mean > 0 else np.mean(replicates >= 0) if mean < 0 else 1.0
+    p = min(1.0, max(2.0 * float(other_side), 1.0 / iters))
+    se = float(replicates.std(ddof=1)) if iters > 1 else NAN
+    return Difference("paired bootstrap", items, mean, se, NAN, float(low), float(high), p)

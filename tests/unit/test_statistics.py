@@ -1,26 +1,15 @@
-"""pipeline.statistics against scipy (the reference) and closed forms."""
+"""pipeline.statistics: the seed-level t tests against scipy's own tests (the reference), and the item-paired
+tests on fixtures where pairing matters."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from scipy import stats
 
 from pipeline import statistics as st
-
-
-@pytest.mark.parametrize("df", [1, 2, 2.7, 5, 30])
-@pytest.mark.parametrize("t", [-4.0, -1.3, 0.0, 0.4, 2.5])
-def test_t_cdf_and_quantile_match_scipy(t, df):
-    assert st.t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), abs=1e-10)
-    p = stats.t.cdf(t, df)
-    assert st.t_quantile(p, df) == pytest.approx(t, abs=1e-6)
-
-
-def test_t_with_one_df_is_cauchy_closed_form():
-    for t in (-3.0, 0.5, 7.0):
-        assert st.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
 
 
 def test_paired_difference_matches_scipy_ttest_rel_and_its_interval():
@@ -82,3 +71,66 @@ def test_mean_interval_matches_scipy_t_interval():
     assert mean == pytest.approx(sum(values) / 3) and (low, high) == pytest.approx(want)
     one = st.mean_interval([0.3])
     assert one[0] == 0.3 and math.isnan(one[1]) and math.isnan(one[2])
+
+
+def two_arms_on_2000_items(both=920, only_a=85, only_b=115):
+    """Per-item 0/1 correctness of one seed pair: B gets 30 more of 2,000 items right (1.5 points), with 10 %
+    of the items discordant (one arm right, the other wrong), in a shuffled item order."""
+    a = np.repeat([1.0, 1.0, 0.0, 0.0], [both, only_a, only_b, 2000 - both - only_a - only_b])
+    b = np.repeat([1.0, 0.0, 1.0, 0.0], [both, only_a, only_b, 2000 - both - only_a - only_b])
+    order = np.random.default_rng(7).permutation(2000)
+    return a[order], b[order]
+
+
+def test_pairing_by_item_finds_a_gain_the_two_accuracies_alone_cannot():
+    a, b = two_arms_on_2000_items()
+    assert b.sum() - a.sum() == 30
+    assert st.mcnemar(85, 115) < 0.05
+    assert st.two_proportion_test(int(a.sum()), int(b.sum()), 2000) > 0.05
+    d = st.paired_bootstrap(a, b)
+    assert d.method == "paired bootstrap" and d.n == 2000 and d.mean == pytest.approx(0.015)
+    assert 0 < d.low < d.mean < d.high and d.p_value < 0.05
+    # the same scores with B's items shuffled (the pairing lost) no longer exclude 0
+    unpaired = st.paired_bootstrap(a, np.random.default_rng(3).permutation(b))
+    assert unpaired.low < 0 < unpaired.high and unpaired.high - unpaired.low > 2 * (d.high - d.low)
+
+
+def test_mcnemar_counts_only_discordant_items_and_is_symmetric():
+    assert st.mcnemar(0, 0) == 1.0
+    assert st.mcnemar(10, 25) == pytest.approx(st.mcnemar(25, 10))
+    assert st.mcnemar(10, 25) < st.mcnemar(15, 20) < 1.0
+    with pytest.raises(ValueError, match="discordant counts"):
+        st.mcnemar(-1, 3)
+
+
+def test_two_proportion_test_without_variance_and_out_of_range_counts():
+    assert st.two_proportion_test(2000, 2000, 2000) == 1.0 and st.two_proportion_test(0, 0, 10) == 1.0
+    assert st.two_proportion_test(100, 160, 200) < 1e-6
+    with pytest.raises(ValueError, match="0..n"):
+        st.two_proportion_test(201, 150, 200)
+
+
+def test_paired_bootstrap_widens_when_seed_pairs_disagree():
+    """Three seed pairs with the same mean Δ: the interval is wider when the pairs' own Δ differ (training noise
+    joins evaluation noise) than when they agree."""
+    rng = np.random.default_rng(0)
+    a = (rng.random((3, 3000)) < 0.5).astype(float)
+    flips = rng.random((3, 3000))
+    agree = np.where(flips < 0.03, 1.0, a)  # each pair gains about the same
+    disagree = np.where(flips < np.array([[0.0], [0.03], [0.06]]), 1.0, a)  # gains of 0, ~1.5 and ~3 points
+    narrow, wide = st.paired_bootstrap(a, agree), st.paired_bootstrap(a, disagree)
+    assert narrow.mean == pytest.approx((agree - a).mean()) and wide.mean == pytest.approx((disagree - a).mean())
+    assert wide.high - wide.low > 1.3 * (narrow.high - narrow.low)
+    one_pair = st.paired_bootstrap(a[0], agree[0], iters=500)
+    assert one_pair.n == 3000 and one_pair.p_value == pytest.approx(1 / 500)  # floored: no replicate crosses 0
+    with pytest.raises(ValueError, match="one shape"):
+        st.paired_bootstrap(a, agree[:2])
+
+
+def test_paired_difference_over_sequences_equals_scipy_on_a_long_sample():
+    rng = np.random.default_rng(1)
+    uniform = rng.normal(3.4, 0.3, size=50_000)
+    prism = uniform + rng.normal(-0.002, 0.05, size=50_000)
+    d = st.paired_difference(uniform.tolist(), prism.tolist())
+    ref = stats.ttest_rel(prism, uniform)
+    assert d.n == 50_000 and d.p_value == pytest.approx(ref.pvalue, rel=1e-6)

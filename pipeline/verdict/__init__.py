@@ -1,0 +1,1 @@
+"""The study's verdict: paired tests and scaling fits; torch-free."""
