@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import budget, checkpoint, data, faults, model_size
+from pipeline import budget, checkpoint, data, faults, lr_schedule, model_size
 from pipeline.atomic import write_atomic
 from pipeline.checkpoint import TrainState
 from pipeline.checkpoint_writer import Saver
@@ -58,14 +58,9 @@ from pipeline.exit_codes import (
 )
 from pipeline.metric_names import val_loss_metric
 
-
 # --- schedule and optimizer -----------------------------------------------------------------------------
-def lr_at(step: int, total: int, warmup: int, lr: float, min_lr: float) -> float:
-    """LR for optimizer step ``step`` (0-based): linear warmup to ``lr``, then cosine down to ``min_lr``."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+# The LR is a function of the step alone; its formulas live in pipeline.lr_schedule (plan draws the same curve).
+lr_at = lr_schedule.lr_at
 
 
 def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
@@ -699,9 +694,10 @@ def loop(run: Run) -> int:
     stop_check = stop_agreement(run.stopper, run.device)
     unread = UnreadSteps(t.max_skips_in_a_row)
     progress = loop_progress(run)
+    schedule = lr_schedule.schedule_of(cfg)
     while state.step < run.total_steps:
         faults.before_step(state.step + 1)  # PRISM_FAULT_* in recovery tests; nothing otherwise
-        lr = lr_at(state.step, run.total_steps, run.warmup, t.lr, t.min_lr)
+        lr = schedule.at(state.step)
         fault = faults.loss_factor(state.step + 1)  # None unless a test sets PRISM_FAULT_LOSS
         result = train_step(
             run.engine,

@@ -98,6 +98,13 @@ class TrainConfig:
     train_tokens: int
     min_lr: float = 0.0
     warmup_fraction: float = 0.025
+    # cosine: warmup, then cosine down to min_lr at the last step. wsd (warmup-stable-decay): warmup, constant lr,
+    # then the last decay_fraction of the steps decay to min_lr (pipeline.lr_schedule; docs/training.md).
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.1  # wsd: the share of the steps that decay (warmup + decay <= all steps)
+    # The decay's shape under wsd, and a cooldown branch's unless cooldown.decay_shape says otherwise; 1-sqrt
+    # did best in arXiv 2405.18392.
+    decay_shape: Literal["linear", "1-sqrt", "cosine"] = "1-sqrt"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -228,6 +235,18 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CooldownConfig:
+    """A cooldown branch (`prism cooldown`, pipeline.cooldown): a run of its own that starts from a main run's
+    checkpoint at from_step (weights, optimizer state, data position) and decays the LR the main run had there
+    to train.min_lr over decay_tokens more tokens of the same data order. Unset: a main run."""
+
+    from_run_dir: str | None = None  # the main run's folder (its checkpoints/ holds the tag at from_step)
+    from_step: int | None = None  # the main run's checkpoint step the branch starts from
+    decay_tokens: int | None = None  # tokens the branch trains (whole train.batch_tokens steps)
+    decay_shape: Literal["linear", "1-sqrt", "cosine"] | None = None  # None: train.decay_shape
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig
     model: ModelConfig
@@ -237,6 +256,7 @@ class Config:
     data: DataConfig
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cooldown: CooldownConfig = field(default_factory=CooldownConfig)
     source: str = field(default="<dict>", compare=False, repr=False)  # where it was loaded from; not hashed
     # Derived once at construction, never dumped or hashed: the parsed schedule, the rules' verdict on it and
     # the per-layer plan (the verdict's).
@@ -269,7 +289,8 @@ class Config:
     # --- derived names and paths (computed on read) -------------------------------------------------------------
     @property
     def run_name(self) -> str:
-        return f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
+        main = f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
+        return f"{main}-cooldown-{self.cooldown.from_step}" if self.cooldown.from_run_dir else main
 
     @property
     def run_dir(self) -> Path:
@@ -309,8 +330,12 @@ class Config:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def steps(self, data_parallel: int = 1) -> dict[str, int]:
-        """Optimizer steps, warmup steps and gradient-accumulation steps for a given DP size."""
-        t, m = self.train, self.model
+        """Optimizer steps, warmup steps and gradient-accumulation steps for a given DP size; main_total and
+        decay: the main LR schedule's steps and its WSD decay (pipeline.lr_schedule). A cooldown branch's
+        total is its from_step plus its decay's steps; its warmup and main_total are its main run's."""
+        from pipeline.lr_schedule import wsd_decay_steps
+
+        t, m, c = self.train, self.model, self.cooldown
         per_micro = m.seq_len * t.micro_batch_size * data_parallel
         if t.batch_tokens % per_micro:
             raise ConfigError(
@@ -318,11 +343,13 @@ class Config:
                 f"micro_batch_size x DP = {m.seq_len} x {t.micro_batch_size} x {data_parallel} = {per_micro}; "
                 f"use a multiple of {per_micro}"
             )
-        total = max(1, t.train_tokens // t.batch_tokens)
+        main = max(1, t.train_tokens // t.batch_tokens)
         return {
-            "total": total,
-            "warmup": int(round(t.warmup_fraction * total)),
+            "total": (c.from_step or 0) + (c.decay_tokens or 0) // t.batch_tokens if c.from_run_dir else main,
+            "warmup": int(round(t.warmup_fraction * main)),
             "grad_accum": t.batch_tokens // per_micro,
+            "main_total": main,
+            "decay": wsd_decay_steps(t.decay_fraction, main) if t.lr_schedule == "wsd" else 0,
         }
 
 
@@ -392,6 +419,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "ConfigError",
+    "CooldownConfig",
     "DataConfig",
     "ModelConfig",
     "ParallelConfig",

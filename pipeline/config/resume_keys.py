@@ -25,6 +25,9 @@ MODEL_OR_DATA_KEYS = (
     "train.batch_tokens",
     "train.micro_batch_size",
     "data",
+    # a cooldown branch's starting point: its weights and data position are that checkpoint's
+    "cooldown.from_run_dir",
+    "cooldown.from_step",
 )
 # How work is executed, not what it computes (the tokens, the weights): a change never blocks a resume.
 EXECUTION_ONLY_KEYS = (
@@ -49,6 +52,11 @@ RECIPE_KEYS = (
     "train.lr",
     "train.min_lr",
     "train.warmup_fraction",
+    "train.lr_schedule",
+    "train.decay_fraction",
+    "train.decay_shape",
+    "cooldown.decay_tokens",
+    "cooldown.decay_shape",
     "train.weight_decay",
     "train.beta1",
     "train.beta2",

@@ -73,6 +73,7 @@ RANGES: dict[str, Range] = {
     "train.train_tokens": AT_LEAST_1,
     "train.min_lr": NON_NEGATIVE,
     "train.warmup_fraction": FRACTION,
+    "train.decay_fraction": Range(0, 1, low_open=True),  # (0, 1]: 1 decays from the end of warmup
     "train.weight_decay": NON_NEGATIVE,
     "train.beta1": FRACTION,
     "train.beta2": FRACTION,
@@ -104,6 +105,8 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep_every_steps": NON_NEGATIVE,  # 0: no milestones
     "checkpoint.every_minutes": POSITIVE,
     "checkpoint.max_failed_saves": AT_LEAST_1,
+    "cooldown.from_step": AT_LEAST_1,  # a branch starts after at least one step of its main run
+    "cooldown.decay_tokens": AT_LEAST_1,
     "data.val_sets{}.tokens": AT_LEAST_1,  # {}: in every entry of the mapping; null: train.val_tokens
 }
 # Strings that become a path or a file name: never empty; NAME_KEYS are one folder name inside run.output_dir
@@ -115,6 +118,7 @@ NON_EMPTY_KEYS = (
     "data.tokenizer",
     "data.eos_token",
     "train.init_from",
+    "cooldown.from_run_dir",
 )
 NAME_KEYS = ("run.scale", "tracking.experiment")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -196,6 +200,32 @@ def check_combinations(cfg: Config) -> None:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
     check_milestones(cfg)
     check_val_sets(cfg)
+    check_lr_schedule(cfg)
+
+
+def check_lr_schedule(cfg: Config) -> None:
+    """WSD's warmup and decay fit in the run; a cooldown branch names its main run, step and decay together,
+    and decays for at least one step."""
+    t, c, layout = cfg.train, cfg.cooldown, cfg.steps(1)
+    if t.lr_schedule == "wsd" and layout["warmup"] + layout["decay"] > layout["main_total"]:
+        raise ConfigError(
+            f"{cfg.source}: train.decay_fraction: {t.decay_fraction} decays {layout['decay']} steps, which with "
+            f"{layout['warmup']} warmup steps (train.warmup_fraction={t.warmup_fraction}) exceeds the "
+            f"{layout['main_total']} steps of the run; lower train.decay_fraction or train.warmup_fraction"
+        )
+    branch = {"cooldown.from_run_dir": c.from_run_dir, "cooldown.from_step": c.from_step}
+    branch["cooldown.decay_tokens"] = c.decay_tokens
+    unset = [k for k, v in branch.items() if v is None]
+    if unset and (len(unset) < len(branch) or c.decay_shape is not None):
+        raise ConfigError(
+            f"{cfg.source}: {unset[0]}: a cooldown branch needs cooldown.from_run_dir, cooldown.from_step and "
+            "cooldown.decay_tokens together (`prism cooldown RUN_DIR --from-step N --decay-tokens T` writes them)"
+        )
+    if not unset and c.decay_tokens < t.batch_tokens:
+        raise ConfigError(
+            f"{cfg.source}: cooldown.decay_tokens: {c.decay_tokens} is less than one step "
+            f"(train.batch_tokens={t.batch_tokens}); decay over at least {t.batch_tokens} tokens"
+        )
 
 
 def check_milestones(cfg: Config) -> None:
