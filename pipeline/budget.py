@@ -73,8 +73,9 @@ def tokens_per_epoch(manifest: dict[str, Any], dp_size: int) -> int:
 
 
 def trained_tokens(cfg: Config) -> int:
-    """What the loop trains: whole optimizer steps of train.batch_tokens (Config.steps)."""
-    return max(1, cfg.train.train_tokens // cfg.train.batch_tokens) * cfg.train.batch_tokens
+    """What the loop trains: whole optimizer steps of train.batch_tokens (Config.steps; a cooldown branch: up to
+    the end of its decay, counted from its main run's first step, as the data order is)."""
+    return cfg.steps(1)["total"] * cfg.train.batch_tokens
 
 
 def epochs(cfg: Config, manifest: dict[str, Any], dp_size: int) -> float:

@@ -222,6 +222,9 @@ class Resume:
     saved_dp_size: int | None = None
     saved_tp: int | None = None
     damaged: list[str] = field(default_factory=list)  # newer tags passed over, "<tag>: <what is wrong>" each
+    # the checkpoint folder ``tag`` is in when it is not this run's: a cooldown branch's first start loads its main
+    # run's tag from there (read only; pipeline.cooldown)
+    source_dir: Path | None = None
 
 
 def _tag_step(name: str) -> int | None:
@@ -253,6 +256,14 @@ def resume_point(cfg: Config) -> Resume:
     (falling back past damaged ones, saying so), a no-op for a finished run, or a one-line refusal (nothing
     intact, a changed recipe, an unsupported change of layout). Every rank calls it (hash checks are shared)."""
     ckpt_dir = Path(cfg.checkpoint_dir)
+    _, world = _world()
+    dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
+    if cfg.is_branch:  # its first start loads its main run's tag; every refusal before a folder is written
+        from pipeline import cooldown
+
+        if (branch := cooldown.start_point(cfg, dp)) is not None:
+            check_writable(ckpt_dir)
+            return branch
     check_writable(ckpt_dir)
     pointer = ckpt_dir / LATEST
     named, limit, pointer_problem = read_latest(ckpt_dir), None, None
@@ -290,8 +301,6 @@ def resume_point(cfg: Config) -> Resume:
     record = read_integrity(ckpt_dir / chosen) or {}
     resume.saved_dp_size, resume.saved_tp = record.get("dp_size"), record.get("tp")
     resume.finished = resume.step >= cfg.steps(1)["total"]
-    _, world = _world()
-    dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
     check_resume_policy(cfg, ckpt_dir / chosen, resume.saved_dp_size, None if resume.finished else dp)
     return resume
 
@@ -625,9 +634,10 @@ def milestone_tags(checkpoint_dir: Path) -> list[str]:
 UNIVERSAL = ".universal"  # <checkpoint_dir>/.universal/<tag>: a tag converted for another TP/DP size, while it loads
 
 
-def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
+def load(engine: Any, cfg: Config, tag: str, state: TrainState, source_dir: Path | None = None) -> int:
     """Load tag into the engine and ``state`` (this rank's loader position and RNG states included); returns
-    the data-parallel size it was saved at.
+    the data-parallel size it was saved at. ``source_dir``: the checkpoint folder holding ``tag`` when it is not
+    this run's (a cooldown branch's first start: read only, a conversion goes to this run's folder).
 
     At another tensor- or data-parallel size than the save (ZeRO 1/2, bf16 included; the resume policy has
     allowed it): the tag is converted to DeepSpeed's universal checkpoint (pipeline.reshard, on global rank 0)
@@ -639,12 +649,12 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    tp, tag_dir = cfg.parallel.tp, cfg.checkpoint_dir / tag
+    load_dir = Path(source_dir or cfg.checkpoint_dir)
+    tp, tag_dir = cfg.parallel.tp, load_dir / tag
     record = read_integrity(tag_dir) or {}
     saved_tp, saved_dp = record.get("tp") or tp, record.get("dp_size")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    load_dir = cfg.checkpoint_dir
     resharded = reshards(saved_tp, saved_dp, tp, dp)
     if resharded:
         from pipeline import reshard

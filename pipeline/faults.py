@@ -15,6 +15,8 @@ changes.
   lost to a collective).
 - ``PRISM_FAULT_ONCE=PATH``: crash or hang only while PATH does not exist, and create it on firing, so the
   run restarted after the fault passes the step (unset: every start fires).
+- ``PRISM_FAULT_BATCH_LOG=DIR``: not a fault but the same kind of hook: each rank appends a line
+  ``STEP SHA256`` per micro-batch it trained to ``DIR/batches-rank<RANK>.txt`` (which tokens each step read).
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+
+def log_batches(step: int, batches: list[Any]) -> None:
+    """PRISM_FAULT_BATCH_LOG: this rank's micro-batches of optimizer step ``step`` (1-based), hashed."""
+    folder = os.environ.get("PRISM_FAULT_BATCH_LOG")
+    if not folder:
+        return
+    import hashlib
+
+    lines = "".join(f"{step} {hashlib.sha256(b.tobytes()).hexdigest()}\n" for b in batches)
+    with open(Path(folder) / f"batches-rank{os.environ.get('RANK', '0')}.txt", "a") as f:
+        f.write(lines)
 
 
 def _steps(spec: str) -> set[int]:

@@ -97,15 +97,15 @@ def schedule_of(cfg: Config) -> LRSchedule:
         schedule=t.lr_schedule,
         decay_steps=layout["decay"],
         shape=t.decay_shape,
-        branch_step=c.from_step if c.from_run_dir else None,
-        branch_decay_steps=layout["total"] - (c.from_step or 0) if c.from_run_dir else 0,
+        branch_step=c.from_step,
+        branch_decay_steps=layout["total"] - (c.from_step or 0) if cfg.is_branch else 0,
         branch_shape=c.decay_shape or t.decay_shape,
     )
 
 
 def describe(cfg: Config) -> str:
     """One line naming the schedule, for `prism plan` and the trainer's start line."""
-    t, c, s = cfg.train, cfg.cooldown, schedule_of(cfg)
+    t, s = cfg.train, schedule_of(cfg)
     text = f"warmup {s.warmup:,} steps, then "
     if t.lr_schedule == "wsd":
         text += f"WSD: constant {t.lr:g} until step {s.total - s.decay_steps:,}, {t.decay_shape} decay over the last "
@@ -114,7 +114,7 @@ def describe(cfg: Config) -> str:
         text += f"cosine from {t.lr:g} to {t.min_lr:g} at step {s.total:,}"
     if s.branch_step is not None:
         text += (
-            f"; cooldown branch of {c.from_run_dir} at step {s.branch_step:,}: {s.branch_shape} decay from "
+            f"; cooldown branch of {cfg.main_run_dir} at step {s.branch_step:,}: {s.branch_shape} decay from "
             f"{s.main_at(s.branch_step):.4g} to {t.min_lr:g} over {s.branch_decay_steps:,} steps"
         )
     return text

@@ -15,7 +15,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train (or resume) one run with DeepSpeed + Megatron-core",
-        description="Train one run; resumes automatically from <checkpoint_dir>/latest. "
+        description="Train one run; resumes automatically from <checkpoint_dir>/latest. LR schedule: "
+        "train.lr_schedule=cosine (warmup, cosine to train.min_lr) or wsd (warmup, constant, then the last "
+        "train.decay_fraction of the steps decay, shaped train.decay_shape=linear|1-sqrt|cosine); `prism plan "
+        "CONFIG --lr-curve` draws it. A config with cooldown.from_step and cooldown.decay_tokens is a cooldown "
+        "branch of its main run (prism cooldown writes one). "
         f"Exit codes: {TRAIN_EXIT_CODES}.",
     )
     p.add_argument("config", help="YAML preset, e.g. configs/tiny_prism.yaml")

@@ -240,8 +240,10 @@ class CooldownConfig:
     checkpoint at from_step (weights, optimizer state, data position) and decays the LR the main run had there
     to train.min_lr over decay_tokens more tokens of the same data order. Unset: a main run."""
 
-    from_run_dir: str | None = None  # the main run's folder (its checkpoints/ holds the tag at from_step)
-    from_step: int | None = None  # the main run's checkpoint step the branch starts from
+    # the main run's folder (its checkpoints/ holds the tag at from_step); None: this config's main run,
+    # run.output_dir/<arm>-<scale>-s<seed>, so one override list branches every arm and seed of a sweep
+    from_run_dir: str | None = None
+    from_step: int | None = None  # the main run's checkpoint step the branch starts from; None: not a branch
     decay_tokens: int | None = None  # tokens the branch trains (whole train.batch_tokens steps)
     decay_shape: Literal["linear", "1-sqrt", "cosine"] | None = None  # None: train.decay_shape
 
@@ -290,7 +292,19 @@ class Config:
     @property
     def run_name(self) -> str:
         main = f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
-        return f"{main}-cooldown-{self.cooldown.from_step}" if self.cooldown.from_run_dir else main
+        return f"{main}-cooldown-{self.cooldown.from_step}" if self.is_branch else main
+
+    @property
+    def is_branch(self) -> bool:
+        """A cooldown branch of a main run (the cooldown section)."""
+        return self.cooldown.from_step is not None
+
+    @property
+    def main_run_dir(self) -> Path:
+        """A branch's main run folder (cooldown.from_run_dir, or this config's main run); a main run's own."""
+        c = self.cooldown
+        main = Path(self.run.output_dir) / f"{self.run.arm}-{self.run.scale}-s{self.run.seed}"
+        return Path(c.from_run_dir) if c.from_run_dir and self.is_branch else main
 
     @property
     def run_dir(self) -> Path:
@@ -345,7 +359,7 @@ class Config:
             )
         main = max(1, t.train_tokens // t.batch_tokens)
         return {
-            "total": (c.from_step or 0) + (c.decay_tokens or 0) // t.batch_tokens if c.from_run_dir else main,
+            "total": (c.from_step or 0) + (c.decay_tokens or 0) // t.batch_tokens if self.is_branch else main,
             "warmup": int(round(t.warmup_fraction * main)),
             "grad_accum": t.batch_tokens // per_micro,
             "main_total": main,

@@ -213,15 +213,14 @@ def check_lr_schedule(cfg: Config) -> None:
             f"{layout['warmup']} warmup steps (train.warmup_fraction={t.warmup_fraction}) exceeds the "
             f"{layout['main_total']} steps of the run; lower train.decay_fraction or train.warmup_fraction"
         )
-    branch = {"cooldown.from_run_dir": c.from_run_dir, "cooldown.from_step": c.from_step}
-    branch["cooldown.decay_tokens"] = c.decay_tokens
-    unset = [k for k, v in branch.items() if v is None]
-    if unset and (len(unset) < len(branch) or c.decay_shape is not None):
+    given = [k for k in ("from_run_dir", "decay_tokens", "decay_shape") if getattr(c, k) is not None]
+    if (c.from_step is None) != (c.decay_tokens is None) or (given and c.from_step is None):
         raise ConfigError(
-            f"{cfg.source}: {unset[0]}: a cooldown branch needs cooldown.from_run_dir, cooldown.from_step and "
-            "cooldown.decay_tokens together (`prism cooldown RUN_DIR --from-step N --decay-tokens T` writes them)"
+            f"{cfg.source}: cooldown.{given[0] if c.from_step is None else 'decay_tokens'}: a cooldown branch needs "
+            "cooldown.from_step and cooldown.decay_tokens together (`prism cooldown RUN_DIR --from-step N "
+            "--decay-tokens T` writes them)"
         )
-    if not unset and c.decay_tokens < t.batch_tokens:
+    if cfg.is_branch and c.decay_tokens < t.batch_tokens:
         raise ConfigError(
             f"{cfg.source}: cooldown.decay_tokens: {c.decay_tokens} is less than one step "
             f"(train.batch_tokens={t.batch_tokens}); decay over at least {t.batch_tokens} tokens"
