@@ -5,7 +5,7 @@ One prefix per kind, so MLflow's chart view files each kind in its own section:
     val/    held-out loss: val/loss on the run's own val split, val/<name>/loss on each of data.val_sets
     perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb; rank_time_max,
             rank_time_median, slowest_rank (pipeline.stragglers)
-    eval/   zero-shot scores, eval/<task>/<acc|acc_norm>
+    eval/   zero-shot scores, eval/<task>/<acc|acc_norm|bpb> (bpb: bits per byte of the gold answers)
 The data budget of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params
 (Tracker.log_params), not here.
 """
@@ -17,5 +17,5 @@ def val_loss_metric(set_name: str | None) -> str:
 
 
 def eval_metric(task: str, metric: str) -> str:
-    """eval/<task>/<acc|acc_norm>: a zero-shot score, from `prism eval` or an eval during training."""
+    """eval/<task>/<acc|acc_norm|bpb>: a zero-shot score, from `prism eval` or an eval during training."""
     return f"eval/{task}/{metric}"

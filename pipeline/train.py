@@ -166,8 +166,9 @@ def memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux: peak RSS
 
 
-def evaluate(engine: Any, val_rows: np.ndarray, micro: int, device: str) -> float:
-    """Mean loss over the fixed val rows; rows are dealt to DP ranks round-robin, TP peers share them."""
+def evaluate(engine: Any, val_rows: np.ndarray, micro: int, device: str) -> tuple[float, np.ndarray]:
+    """Mean loss over the fixed val rows, and each row's mean loss in row order (float64, on every rank); rows
+    are dealt to DP ranks round-robin, TP peers share them."""
     import torch
     from megatron.core import parallel_state
 
@@ -176,15 +177,20 @@ def evaluate(engine: Any, val_rows: np.ndarray, micro: int, device: str) -> floa
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = val_rows[rank::size]
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    per_row = torch.zeros(len(val_rows), dtype=torch.float64, device=device)  # zeros where other ranks' rows go
     engine.eval()
     with torch.no_grad():
         for i in range(0, len(mine), micro):
             tokens = torch.from_numpy(mine[i : i + micro].astype(np.int64)).to(device)
-            total[0] += lm_loss(engine, tokens).double() * len(tokens)
+            token_losses = torch.empty(tokens.numel() - len(tokens), dtype=torch.float32, device=device)
+            total[0] += lm_loss(engine, tokens, token_losses=token_losses).double() * len(tokens)
             total[1] += len(tokens)
+            rows = rank + size * (i + torch.arange(len(tokens), device=device))  # their places in val_rows
+            per_row[rows] = token_losses.view(len(tokens), -1).double().mean(1)
     engine.train()
-    dp_sum(total)
-    return float(total[0] / total[1])
+    dp_sum(total)  # as before: the scalar's sum is not part of the vector's all-reduce
+    dp_sum(per_row)
+    return float(total[0] / total[1]), per_row.cpu().numpy()
 
 
 # --- one step, its log line, the loop ---------------------------------------------------------------
@@ -772,15 +778,15 @@ def do_step_actions(run: Run, actions: StepActions, result: StepResult, progress
     val_losses = {}
     if actions.validate:
         with progress.aside("validation"):  # every set: its time stays out of tokens/s
-            val_losses = {
-                m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()
-            }
+            scored = {m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()}
+            val_losses = {m: loss for m, (loss, _) in scored.items()}
         run.val_loss = val_losses[val_loss_metric(None)]  # the run's own val split: the summary's val loss
     if actions.log:
         stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
         pace = progress.pace(state.step)
         log_step(cfg, run.tracker, state, run.total_steps, result, val_losses, run.device, pace, stragglers)
     if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
+        save_val_items(run, {m: rows for m, (_, rows) in scored.items()})
         with progress.aside("eval"):
             downstream_eval(run)
     if actions.checkpoint:
@@ -803,7 +809,10 @@ def downstream_eval(run: Run) -> None:
     from pipeline.eval.zeroshot import score_metrics
 
     t0 = time.perf_counter()
-    scores = run.evals(run.engine)
+    scores, items = run.evals(run.engine)
+    import torch.distributed as dist
+
+    from pipeline.eval import items as eval_items
     if scores:  # where lm-eval returned them (global rank 0 among them)
         run.tracker.log_metrics(score_metrics(scores), run.state.step)
         say(eval_line(run.state.step, scores, time.perf_counter() - t0))
@@ -812,6 +821,23 @@ def downstream_eval(run: Run) -> None:
 def finish(run: Run, exit_code: int) -> dict[str, Any]:
     """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
     reason = RECORD_REASONS[exit_code]
+        if dist.get_rank() == 0:  # one writer of the per-item file (pipeline.eval.items), as `prism eval` writes it
+            data = eval_items.write_items(run.cfg.run_dir, run.state.step, items)[1]
+            run.tracker.log_artifact_text(data, eval_items.items_artifact(run.state.step))
+
+
+def save_val_items(run: Run, per_row: dict[str, np.ndarray]) -> None:
+    """Rank 0 writes a validation's per-sequence losses of every set (pipeline.eval.items) and logs them as
+    artifacts: a few KB per set (4 bytes a row). The tracker journals them, so an outage loses nothing."""
+    import torch.distributed as dist
+
+    from pipeline.eval import items as eval_items
+
+    if dist.get_rank() != 0:
+        return
+    for vs in run.cfg.validation_sets():
+        data = eval_items.write_val(run.cfg.run_dir, vs.name, run.state.step, per_row[vs.metric])[1]
+        run.tracker.log_artifact_text(data, eval_items.val_artifact(vs.name, run.state.step))
     # before restoring the signal handlers: a late stop signal must not kill us first
     record_exit(reason, run.state.step)
     run.stopper.restore()

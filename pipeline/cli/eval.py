@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         path, tasks, args.limit, args.out, args.batch_size, args.device, args.source, args.overrides
     )
     print(format_table(report))
-    print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
+    print(f"wrote {report['json']} and {report['items']}; MLflow: {json.dumps(report['mlflow'])}")
     return 0
 
 
@@ -68,7 +68,7 @@ def run_milestones(args: argparse.Namespace, tasks: list[str]) -> int:
     )
     for report in done["scored"]:
         print(format_table(report))
-        print(f"wrote {report['json']}; MLflow: {json.dumps(report['mlflow'])}")
+        print(f"wrote {report['json']} and {report['items']}; MLflow: {json.dumps(report['mlflow'])}")
     steps = ", ".join(str(r["step"]) for r in done["scored"]) or "none"
     print(
         f"prism eval: scored {len(done['scored'])} milestone(s) (steps {steps}); {len(done['skipped'])} already scored"

@@ -32,16 +32,16 @@ class DownstreamEval:
         self.cfg = cfg
         self.tokenizer, self.eos_id = load_tokenizer(cfg)
 
-    def __call__(self, engine: Any) -> dict[str, Any]:
-        """Scores per task (zeroshot.evaluate's) where lm-eval returns them, {} on the other ranks; every rank
-        calls it. The RNG states are kept (lm-eval seeds the global generators) and the model is put back into
+    def __call__(self, engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Scores per task and per-item results (zeroshot.score's) where lm-eval returns them, ({}, {}) on the
+        other ranks; every rank calls it. The RNG states are kept (lm-eval seeds the global generators) and the model is put back into
         training mode."""
         from megatron.core import parallel_state
 
         from pipeline.checkpoint import rng_preserved
         from pipeline.console import library_output_to_log
         from pipeline.eval.lm import DataParallelLM
-        from pipeline.eval.zeroshot import evaluate
+        from pipeline.eval.zeroshot import score
 
         t, seq_len = self.cfg.train, self.cfg.model.seq_len
         # Forward passes of a training micro-batch's tokens. Under ZeRO-3 every forward pass gathers weights
@@ -58,16 +58,17 @@ class DownstreamEval:
                 **sizing,
             )
             try:
-                return evaluate(lm, list(t.eval_tasks), t.eval_limit)
+                return score(lm, list(t.eval_tasks), t.eval_limit)
             finally:
                 engine.train()
 
 
 def eval_line(step: int, scores: dict[str, Any], seconds: float) -> str:
-    """The console line of one eval: each task's acc (and acc_norm) on its examples."""
+    """The console line of one eval: each task's acc (and acc_norm, bpb) on its examples."""
     parts = [
         f"{task} acc {s['acc']:.3f}"
         + (f" acc_norm {s['acc_norm']:.3f}" if "acc_norm" in s else "")
+        + (f" bpb {s['bpb']:.3f}" if "bpb" in s else "")
         + f" (n={s['samples']})"
         for task, s in scores.items()
     ]

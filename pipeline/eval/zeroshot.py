@@ -15,12 +15,14 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.eval.items import ITEMS_ARTIFACT_DIR, TaskItems, task_items, write_items
 from pipeline.eval_catalog import OFFLINE_TASKS as PAPER_TASKS
 from pipeline.eval_catalog import TASKS_DIR
 from pipeline.metric_names import eval_metric
 from pipeline.tracking.store import log_to_run
 
 METRICS = ("acc", "acc_norm")
+LOGGED = (*METRICS, "bpb")  # what a task's scores log as eval/<task>/<name>
 # Published numbers for these tasks use another split than the one scored offline.
 PUBLISHED_SPLIT = {"arc_easy": "test"}
 
@@ -62,8 +64,16 @@ def check_tasks(tasks: list[str], source: str):
 
 
 def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = "offline") -> dict[str, Any]:
-    """Scores per task: {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, split, samples, chance}}. Under
-    torchrun lm-eval returns them on the first process of each node only; the others get {}."""
+    """Scores per task: {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, bpb, split, samples, chance}}.
+    Under torchrun lm-eval returns them on the first process of each node only; the others get {}."""
+    return score(lm, tasks, limit, source)[0]
+
+
+def score(
+    lm: Any, tasks: list[str], limit: int | None = None, source: str = "offline"
+) -> tuple[dict[str, Any], dict[str, TaskItems]]:
+    """evaluate's scores and each task's per-item results (pipeline.eval.items; a task whose gold answer the
+    samples do not tell is left out of them and has no bpb). ({}, {}) where lm-eval returns nothing."""
     import datasets
     import lm_eval
 
@@ -74,8 +84,9 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
         model=lm, tasks=tasks, limit=limit, task_manager=manager, num_fewshot=0, bootstrap_iters=1000, log_samples=True
     )
     scores: dict[str, Any] = {}
+    items: dict[str, TaskItems] = {}
     if out is None:  # lm-eval builds results where LOCAL_RANK is 0 only
-        return scores
+        return scores, items
     for task in tasks:
         result, cfg = out["results"][task], out["configs"][task]
         samples = out["samples"][task]
@@ -92,18 +103,21 @@ def evaluate(lm: Any, tasks: list[str], limit: int | None = None, source: str = 
                 entry[metric] = float(result[f"{metric},none"])
                 stderr = result.get(f"{metric}_stderr,none")
                 entry[f"{metric}_stderr"] = float(stderr) if isinstance(stderr, int | float) else None
+        if (task_results := task_items(task, samples)) is not None:
+            items[task] = task_results
+            entry["bpb"] = task_results.bpb
         if PUBLISHED_SPLIT.get(task, split) != split:
             entry["note"] = (
                 f"scored on {split}; published {task} numbers use {PUBLISHED_SPLIT[task]}, "
                 "so these are not comparable to them"
             )
         scores[task] = entry
-    return scores
+    return scores, items
 
 
 def score_metrics(scores: dict[str, Any]) -> dict[str, float]:
-    """The scores as metrics, eval/<task>/<acc|acc_norm>: what `prism eval` and the evals during training log."""
-    return {eval_metric(task, m): s[m] for task, s in scores.items() for m in METRICS if m in s}
+    """The scores as metrics, eval/<task>/<acc|acc_norm|bpb>: what `prism eval` and the evals during training log."""
+    return {eval_metric(task, m): s[m] for task, s in scores.items() for m in LOGGED if m in s}
 
 
 def evaluate_checkpoint(
@@ -126,7 +140,7 @@ def evaluate_checkpoint(
     cfg, model, info = load_checkpoint(checkpoint, overrides, device)
     lm = PrismLM(model, tokenizer, eos_id, cfg.model.seq_len, batch_size=batch_size)
     started = time.time()
-    scores = evaluate(lm, tasks, limit, source)
+    scores, items = score(lm, tasks, limit, source)
     report = {
         "checkpoint": str(info.tag_dir),
         "run_name": cfg.run_name,
@@ -141,8 +155,12 @@ def evaluate_checkpoint(
     }
     path = Path(out) if out else report_path(cfg, info.tag_dir)
     write_atomic(path, json.dumps(report, indent=2) + "\n")  # a reader sees the old file or the new one
+    # the same file, at the same path, as the eval during training at this step writes
+    items_file = write_items(cfg.run_dir, info.step, items)[0]
     metrics = score_metrics(scores)
-    report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, [("eval", path)])
+    artifacts = [("eval", path), (ITEMS_ARTIFACT_DIR, items_file)]
+    report["mlflow"] = log_to_run(cfg, info.run_id, metrics, info.step, artifacts)
+    report["items"] = str(items_file)
     write_atomic(path, json.dumps(report, indent=2) + "\n")
     report["json"] = str(path)
     return report
@@ -198,13 +216,14 @@ def format_table(report: dict[str, Any]) -> str:
     """The report as a text table: one row per task, then the split notes."""
     lines = [
         f"{report['run_name']} step {report['step']} (zero-shot, lm-eval)",
-        f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'chance':>7}",
+        f"{'task':<12} {'split':<11} {'n':>6} {'acc':>7} {'acc_norm':>8} {'bpb':>7} {'chance':>7}",
     ]
     notes = []
     for task, s in report["tasks"].items():
         acc_norm = f"{s['acc_norm']:.4f}" if "acc_norm" in s else "-"
+        bpb = f"{s['bpb']:.4f}" if "bpb" in s else "-"
         lines.append(
-            f"{task:<12} {s['split']:<11} {s['samples']:>6} {s['acc']:>7.4f} {acc_norm:>8} {s['chance']:>7.3f}"
+            f"{task:<12} {s['split']:<11} {s['samples']:>6} {s['acc']:>7.4f} {acc_norm:>8} {bpb:>7} {s['chance']:>7.3f}"
         )
         if "note" in s:
             notes.append(f"note: {task}: {s['note']}")

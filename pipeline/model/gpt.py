@@ -237,19 +237,20 @@ def _forward_local_logits(model, inputs: torch.Tensor) -> torch.Tensor:
     return F.linear(_final_hidden_states(model, inputs), output_weight(model))
 
 
-def lm_loss(model, tokens: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+def lm_loss(model, tokens: torch.Tensor, z_loss: float = 0.0, token_losses: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of int64 ``tokens`` [b, seq_len + 1]; vocab-parallel under TP.
     ``z_loss`` > 0 (train.z_loss) adds that coefficient times the mean squared log-sum-exp (PaLM's z-loss).
 
     The output projection and the loss run a chunk of tokens at a time (pipeline.model.loss): neither the
-    [b, s, V] logits nor an fp32 copy of them is ever made."""
+    [b, s, V] logits nor an fp32 copy of them is ever made. ``token_losses`` (fp32, [b * seq_len]) receives each
+    token's cross-entropy, row by row: validation's per-sequence losses, beside an unchanged mean."""
     from pipeline.compat import output_weight
     from pipeline.model.loss import linear_cross_entropy
 
     device = next(model.parameters()).device
     targets = tokens[:, 1:].to(device, non_blocking=True)
     hidden = _final_hidden_states(model, tokens[:, :-1])
-    return linear_cross_entropy(hidden, output_weight(model), targets, z_loss)
+    return linear_cross_entropy(hidden, output_weight(model), targets, z_loss, token_losses)
 
 
 def logits(model, inputs: torch.Tensor) -> torch.Tensor:

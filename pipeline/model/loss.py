@@ -71,7 +71,13 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grads: bool, z_loss: float = 0.0
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        with_grads: bool,
+        z_loss: float = 0.0,
+        token_losses: torch.Tensor | None = None,
     ):
         group, tp, rank = _tp_group()
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -88,6 +94,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden[a:b], weight).float()
             lse, target = _chunk_lse_and_target(logits, local[a:b], in_slice[a:b], group, tp)
             total += (lse - target).sum()
+            if token_losses is not None:  # each token's loss beside the mean, which it leaves unchanged
+                token_losses[a:b] = lse - target
             if z_loss:
                 total += z_loss * lse.square().sum()
             if with_grads:
@@ -107,14 +115,19 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         grads = grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    z_loss: float = 0.0,
+    token_losses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of hidden states [..., d] projected by this TP rank's output
-    weight [V/TP, d], against targets [...]; vocab-parallel under TP. ``z_loss`` > 0 adds z_loss * mean(lse^2)."""
+    weight [V/TP, d], against targets [...]; vocab-parallel under TP. ``z_loss`` > 0 adds z_loss * mean(lse^2).
+    ``token_losses`` (fp32, one per target, flattened) receives each token's cross-entropy."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), with_grads, z_loss)
+    return LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), with_grads, z_loss, token_losses)

@@ -27,7 +27,7 @@ class Tracker(Protocol):
     def log_params(self, params: dict[str, Any]) -> None:
         """Values fixed for a start (e.g. the data budget): params, so they do not crowd the metric charts."""
 
-    def log_artifact_text(self, text: str, name: str) -> None: ...
+    def log_artifact_text(self, text: str | bytes, name: str) -> None: ...
 
     def finish(self, status: str = "FINISHED") -> None: ...
 
@@ -47,7 +47,7 @@ class NullTracker:
     def log_params(self, params: dict[str, Any]) -> None:
         pass
 
-    def log_artifact_text(self, text: str, name: str) -> None:
+    def log_artifact_text(self, text: str | bytes, name: str) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:

@@ -170,7 +170,7 @@ class MlflowTracker:
         )
         self._deliver()
 
-    def log_artifact_text(self, text: str, name: str) -> None:
+    def log_artifact_text(self, text: str | bytes, name: str) -> None:
         # The text is kept beside the journal so a replay can still upload it.
         rel = Path("tracking-artifacts") / f"{len(self.journal.records()):06d}" / Path(name).name
         dest = self.journal.folder / rel
