@@ -781,12 +781,12 @@ def do_step_actions(run: Run, actions: StepActions, result: StepResult, progress
             scored = {m: evaluate(run.engine, rows, t.micro_batch_size, run.device) for m, rows in run.val_sets.items()}
             val_losses = {m: loss for m, (loss, _) in scored.items()}
         run.val_loss = val_losses[val_loss_metric(None)]  # the run's own val split: the summary's val loss
+        save_val_items(run, {m: rows for m, (_, rows) in scored.items()})
     if actions.log:
         stragglers = straggler_metrics(gather_rank_times(run.clock, run.device))  # every rank: a collective
         pace = progress.pace(state.step)
         log_step(cfg, run.tracker, state, run.total_steps, result, val_losses, run.device, pace, stragglers)
     if actions.eval:  # before the checkpoint: a resume from it never skips this step's eval
-        save_val_items(run, {m: rows for m, (_, rows) in scored.items()})
         with progress.aside("eval"):
             downstream_eval(run)
     if actions.checkpoint:
@@ -805,22 +805,17 @@ def downstream_evals(cfg: Config) -> Any:
 
 def downstream_eval(run: Run) -> None:
     """This step's zero-shot scores, on every rank: to the tracker at the step, one console line."""
+    import torch.distributed as dist
+
+    from pipeline.eval import items as eval_items
     from pipeline.eval.in_run import eval_line
     from pipeline.eval.zeroshot import score_metrics
 
     t0 = time.perf_counter()
     scores, items = run.evals(run.engine)
-    import torch.distributed as dist
-
-    from pipeline.eval import items as eval_items
     if scores:  # where lm-eval returned them (global rank 0 among them)
         run.tracker.log_metrics(score_metrics(scores), run.state.step)
         say(eval_line(run.state.step, scores, time.perf_counter() - t0))
-
-
-def finish(run: Run, exit_code: int) -> dict[str, Any]:
-    """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
-    reason = RECORD_REASONS[exit_code]
         if dist.get_rank() == 0:  # one writer of the per-item file (pipeline.eval.items), as `prism eval` writes it
             data = eval_items.write_items(run.cfg.run_dir, run.state.step, items)[1]
             run.tracker.log_artifact_text(data, eval_items.items_artifact(run.state.step))
@@ -838,6 +833,11 @@ def save_val_items(run: Run, per_row: dict[str, np.ndarray]) -> None:
     for vs in run.cfg.validation_sets():
         data = eval_items.write_val(run.cfg.run_dir, vs.name, run.state.step, per_row[vs.metric])[1]
         run.tracker.log_artifact_text(data, eval_items.val_artifact(vs.name, run.state.step))
+
+
+def finish(run: Run, exit_code: int) -> dict[str, Any]:
+    """The exit record, the signal handlers and loader back, the tracking run closed; the summary."""
+    reason = RECORD_REASONS[exit_code]
     # before restoring the signal handlers: a late stop signal must not kill us first
     record_exit(reason, run.state.step)
     run.stopper.restore()
