@@ -42,9 +42,13 @@ def study_runs(configs: list[str], seeds: list[int], overrides: list[str]) -> li
 
     runs = expand_grid(configs, seeds, overrides=overrides)
     places = {(r.cfg.experiment, run_uri(r.cfg)) for r in runs}
-    if len(places) > 1:
+    data = {ladder_data(r.cfg) for r in runs}
+    if len({u for _, u in places}) > 1 or (len(places) > 1 and len(data) > 1):
         listed = "; ".join(f"{e} in {u}" for e, u in sorted(places))
-        raise ConfigError(f"the configs log to different experiments or stores ({listed}); give them one scale")
+        raise ConfigError(
+            f"the configs log to different experiments or stores ({listed}); give them one scale, or a ladder of "
+            "scales (configs/ladder) that reads one dataset with one tokenizer into one store"
+        )
     names = [r.name + ("" if r.cfg.run.arm == "uniform" else f"[{r.cfg.schedule.heads}]") for r in runs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -52,12 +56,20 @@ def study_runs(configs: list[str], seeds: list[int], overrides: list[str]) -> li
     return runs
 
 
+def ladder_data(cfg) -> tuple[str, ...]:
+    """What the scales of a ladder must share (prism scaling compares them): the data order and tokenizer."""
+    from pipeline.config.resume_keys import DATA_ORDER_KEYS, flatten
+
+    flat = flatten(cfg.to_dict())
+    return tuple(str(flat[k]) for k in (*DATA_ORDER_KEYS, "data.tokenizer"))
+
+
 def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: str | None = None, jobs: int = 1) -> int:
     """Train every (seed, config) not yet finished, then compare; `prism train`s inherit the console setup.
 
     ``jobs`` > 1 runs that many at once (each one's console in <output_dir>/logs/<run name>.log): faster on a
     machine with spare cores, and the comparison then notes that their tokens/s shared the machine."""
-    from pipeline.compare import compare_arms
+    from pipeline.compare import compare_arms, compare_scales
     from pipeline.tracking.store import run_uri
 
     if jobs < 1:
@@ -65,11 +77,14 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
     t0 = time.monotonic()
     runs = study_runs(configs, seeds, overrides)
     cfg = runs[0].cfg
-    steps = cfg.steps(1)["total"]
+    lengths = sorted({r.cfg.steps(1)["total"] for r in runs})
+    steps = str(lengths[0]) if len(lengths) == 1 else f"{lengths[0]}-{lengths[-1]}"
+    experiments = list(dict.fromkeys(r.cfg.experiment for r in runs))  # a ladder: one per scale
     how = "one after another" if jobs == 1 else f"{jobs} at a time"
     print(
         f"prism study: {len(configs)} configs x {len(seeds)} seeds = {len(runs)} runs of {steps} steps x "
-        f"{cfg.train.batch_tokens} tokens, {how} -> experiment {cfg.experiment}",
+        f"{cfg.train.batch_tokens} tokens, {how} -> experiment{'s' if len(experiments) > 1 else ''} "
+        f"{', '.join(experiments)}",
         flush=True,
     )
     from data_prep.build import prepare
@@ -81,10 +96,18 @@ def run_study(configs: list[str], seeds: list[int], overrides: list[str], out: s
         print(f"prism study: {'; '.join(failed)}; rerun the study to resume", flush=True)
         return 1
     uri = run_uri(cfg)
-    result = compare_arms(cfg.experiment, uri, out or Path(cfg.run.output_dir) / "compare" / cfg.experiment)
-    print(result["table"])
-    for p in result["paths"]:
-        print(f"wrote {p}")
+    report_root = Path(out or Path(cfg.run.output_dir) / "compare")
+    for experiment in experiments:
+        alone = out if len(experiments) == 1 and out else report_root / experiment
+        result = compare_arms(experiment, uri, alone)
+        print(result["table"])
+        for p in result["paths"]:
+            print(f"wrote {p}")
+    if len(experiments) > 1:  # a ladder: the scaling fits over all of them
+        result = compare_scales(experiments, uri, report_root / "scaling")
+        print(result["table"])
+        for p in result["paths"]:
+            print(f"wrote {p}")
     print(f"prism study: done in {duration(time.monotonic() - t0)}", flush=True)
     return 0
 

@@ -1,0 +1,104 @@
+"""verdict.scaling on hand-made runs: N from each run's config, the checks before a fit, and the report files."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import pytest
+
+from pipeline import config, model_size
+from pipeline.compare import RunSeries
+from pipeline.config import ConfigError
+from pipeline.verdict import scaling
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDTHS = (64, 128, 192)
+
+
+def ladder(arm: str, width: int, *overrides: str) -> config.Config:
+    return config.load(ROOT / f"configs/ladder/{arm}_w{width}.yaml", list(overrides))
+
+
+def series(cfg: config.Config, seed: int, loss: float, tokens: float = 4096.0) -> RunSeries:
+    return RunSeries(
+        f"id-{cfg.run_name}-{seed}",
+        f"{cfg.run.arm}-{cfg.run.scale}-s{seed}",
+        cfg.run.arm,
+        cfg.run.scale,
+        str(seed),
+        "FINISHED",
+        [(1, tokens / 2, loss + 1.0), (2, tokens, loss)],
+        1000.0,
+    )
+
+
+def test_each_point_has_the_parameter_count_of_its_logged_config():
+    runs = [(series(ladder(arm, w), 1, 6.0), ladder(arm, w), False) for w in WIDTHS for arm in ("uniform", "prism")]
+    branch_cfg = ladder("prism", 64)
+    runs.append((series(branch_cfg, 1, 5.5, tokens=8192.0), branch_cfg, True))
+    points = scaling.make_points(runs)
+    assert [p.N for p in points] == [model_size.parameter_count(cfg) for _, cfg, _ in runs]
+    sizes = sorted({p.N for p in points})
+    assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]  # both arms of a width: one N (Prism is neutral)
+    assert (points[-1].branch, points[-1].D, points[-1].loss) == (True, 8192.0, 5.5)
+    assert all(not m["arm"] == "prism" or m["tokens"] == 4096.0 for m in scaling.measured(points))  # no branch
+
+
+@pytest.mark.parametrize(
+    "key, other",
+    [("data.tokenizer", "/elsewhere/gpt2.json"), ("data.dataset_dir", "/elsewhere/fineweb"), ("model.seq_len", "128")],
+)
+def test_sizes_on_other_data_are_refused_naming_both_values(key, other):
+    small, large = ladder("uniform", 64), ladder("uniform", 192, f"{key}={other}")
+    with pytest.raises(ConfigError, match="mixed") as e:
+        scaling.make_points([(series(small, 1, 6.0), small, False), (series(large, 1, 5.0), large, False)])
+    mine = str(config.resume_keys.flatten(small.to_dict())[key])
+    assert mine in str(e.value) and other in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_larger_batch_at_a_larger_size_is_one_ladder():
+    small, large = ladder("uniform", 64), ladder("uniform", 192, "train.batch_tokens=4096", "train.micro_batch_size=8")
+    points = scaling.make_points([(series(small, 1, 6.0), small, False), (series(large, 1, 5.0), large, False)])
+    assert len(points) == 2
+
+
+def law_points(sizes, seeds=(1, 2), prism_gain=0.97) -> list[scaling.Point]:
+    """Final losses drawn from L = 2 + 400·N^-0.35 (Prism's excess over E scaled by ``prism_gain``), seed noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    points = []
+    for n in sizes:
+        for arm, gain in (("uniform", 1.0), ("prism", prism_gain)):
+            for seed in seeds:
+                loss = 2.0 + gain * 400.0 * n**-0.35 + rng.normal(0, 0.003)
+                points.append(scaling.Point(arm, f"n{n}", str(seed), n, 0.06 * n, loss, 1000.0, f"{arm}{n}{seed}"))
+    return points
+
+
+def test_a_fit_needs_both_arms_and_enough_sizes():
+    only_uniform = [p for p in law_points([1e6, 3e6, 1e7]) if p.arm == "uniform"]
+    with pytest.raises(ConfigError, match="needs both arms"):
+        scaling.fit(only_uniform)
+    with pytest.raises(ConfigError, match=r"uniform 2 size\(s\)") as e:
+        scaling.fit(law_points([1e6, 3e6]))
+    assert "3" in str(e.value)  # what the fit needs
+
+
+def test_the_table_and_csv_on_points_from_a_known_law():
+    """(The plot and the files: tests/integration/test_scaling.py, on real runs.)"""
+    points = law_points([1e6, 3e6, 1e7])
+    verdict = scaling.fit(points)
+    table = scaling.markdown(points, verdict, "ladder")
+    rows = list(csv.DictReader(io.StringIO(scaling.to_csv(verdict["rows"]))))
+    assert [float(r["N"]) for r in rows] == [1e6, 3e6, 1e7]
+    assert all(float(r["gap"]) < 0 and float(r["k"]) > 1 for r in rows)  # Prism's excess loss is 3 % lower
+    assert all(float(r["k_low"]) <= float(r["k"]) <= float(r["k_high"]) for r in rows)  # two seeds: an interval
+    assert verdict["form"] == "L(N)" and "| 3,000,000 | uniform | 2 |" in table and "prism: L = " in table
+    assert "| 1,000,000 | " in table.split("| N (params) | gap")[1]  # one verdict row per size
+    one_seed = scaling.markdown(
+        law_points([1e6, 3e6, 1e7], seeds=(1,)), scaling.fit(law_points([1e6, 3e6, 1e7], seeds=(1,))), "x"
+    )
+    assert "n/a: needs ≥ 2 seeds per size" in one_seed
