@@ -36,6 +36,7 @@ from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 from pipeline.config.resume_keys import DATA_ORDER_KEYS
 from pipeline.tracking import store
+from pipeline.verdict.paired import seed_pairs
 
 ARMS = ("uniform", "prism")
 
@@ -185,8 +186,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
 def arm_difference(uniform: list[RunSeries], prism: list[RunSeries]) -> statistics.Difference:
     """Prism − uniform final val loss: paired over the seeds both ran when they shared the data order
     (at least two such pairs), Welch's test over all runs otherwise."""
-    u = {(r.seed, r.data_order): r for r in uniform}
-    pairs = [(u[(r.seed, r.data_order)], r) for r in prism if (r.seed, r.data_order) in u]
+    pairs = seed_pairs(uniform, prism)
     if len(pairs) >= 2 and len(pairs) == len(uniform) == len(prism):
         return statistics.paired_difference([a.final_val_loss for a, _ in pairs], [b.final_val_loss for _, b in pairs])
     return statistics.welch_difference([r.final_val_loss for r in uniform], [r.final_val_loss for r in prism])
@@ -486,9 +486,14 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
         table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
     accuracy = compare_evals.summarize(runs)
     table += compare_evals.markdown(accuracy)
+    from pipeline.verdict import paired  # the item- and sequence-paired tables, from the runs' artifacts
+
+    paired_text, paired_csvs = paired.section(runs, rows, tracking_uri)
+    table += paired_text
     texts = {"comparison.md": table, "comparison.csv": to_csv(rows)}
     if accuracy:
         texts["accuracy_vs_tokens.csv"] = compare_evals.to_csv(accuracy)
+    texts.update(paired_csvs)
     paths = [out / name for name in texts]
     for path, text in zip(paths, texts.values(), strict=True):
         write_atomic(path, text)

@@ -169,3 +169,17 @@ def log_to_run(
             "run_id": run_id,
         }
     return {"logged": True, "uri": redact_uri(uri), "run_id": run_id}
+
+
+def download_artifact(mlflow: Any, run_id: str, path: str, folder: str | Path) -> Path:
+    """One artifact of a run into ``folder`` without MLflow's progress bar (it draws one per download)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        return Path(mlflow.download_artifacts(run_id, path, str(folder)))
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before

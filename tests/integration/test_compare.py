@@ -5,11 +5,14 @@ from __future__ import annotations
 import csv
 import statistics
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipeline import statistics as prism_statistics
 from pipeline.cli import main
 from pipeline.compare import latest_per_step, throughput
+from pipeline.eval import items as eval_items
 
 
 def expected_numbers(client, experiment):
@@ -47,6 +50,8 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
     printed = capsys.readouterr().out
     assert "| tiny | uniform | 12x8 | 2 |" in printed and "| tiny | prism | 3x2,6x2,12x4 | 2 |" in printed
     assert "(paired)" in printed  # both arms ran seeds 1 and 2 on one dataset: paired by seed
+    # no run has per-item eval results yet (test_compare_pairs_items_and_sequences adds some): one line
+    assert "No seed pair of this experiment has per-item eval results" in printed
 
     client = MlflowClient(tracked_runs.uri)
     want = expected_numbers(client, tracked_runs.experiment)
@@ -90,3 +95,52 @@ def test_compare_unknown_experiment_is_a_one_line_error(tracked_runs, capsys):
     assert main(["compare", "--experiment", "no-such-study", "--tracking-uri", tracked_runs.uri]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("prism compare: error:") and tracked_runs.experiment in err and "\n" not in err
+
+
+def test_compare_pairs_items_and_sequences(tracked_runs, tmp_path, capsys):
+    """Seed 1 of both arms scored by `prism eval` on its final checkpoint: the paired downstream table holds
+    each task with McNemar's p on the two item files' discordant items and a bootstrap interval; the paired
+    validation table holds both seed pairs, Δ from their per-sequence files, beside the seed-level interval."""
+    from tests.fixtures.tracked_runs import TRACKED_STEPS
+
+    step = TRACKED_STEPS
+    run_dirs = {arm: tracked_runs.out / f"{arm}-tiny-s1" for arm in ("uniform", "prism")}
+    for arm, run_dir in run_dirs.items():
+        args = ["eval", str(run_dir / "checkpoints"), "--tasks", "piqa,arc_easy", "--limit", "30", "--batch-size", "8"]
+        assert main([*args, "--out", str(tmp_path / f"{arm}.json")]) == 0
+    out = tmp_path / "report"
+    args = ["compare", "--experiment", tracked_runs.experiment, "--tracking-uri", tracked_runs.uri, "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+
+    items = {arm: eval_items.decode_items(eval_items.items_path(d, step).read_bytes()) for arm, d in run_dirs.items()}
+    down = {r["task"]: r for r in csv.DictReader((out / "paired_downstream.csv").open())}
+    assert sorted(down) == ["arc_easy", "piqa"]
+    for task, row in down.items():
+        u, p = items["uniform"][task].acc_norm, items["prism"][task].acc_norm
+        assert (row["metric"], row["seed_pairs"], row["items"], row["step"]) == ("acc_norm", "1", "30", str(step))
+        assert float(row["delta"]) == pytest.approx(np.mean(p) - np.mean(u))
+        assert float(row["mcnemar_p"]) == pytest.approx(
+            prism_statistics.mcnemar(int(np.sum(u > p)), int(np.sum(p > u)))
+        )
+        assert float(row["delta_ci95_low"]) <= float(row["delta"]) <= float(row["delta_ci95_high"])
+        bpb = items["prism"][task].bpb - items["uniform"][task].bpb
+        assert float(row["delta_bpb"]) == pytest.approx(bpb)
+    assert "McNemar p (exact; items)" in printed and "items (eval sample)" in printed
+
+    val = {r["seed_pair"]: r for r in csv.DictReader((out / "paired_validation.csv").open())}
+    assert sorted(val) == ["uniform-tiny-s1 vs prism-tiny-s1", "uniform-tiny-s2 vs prism-tiny-s2"]
+    for seed in (1, 2):
+        row = val[f"uniform-tiny-s{seed} vs prism-tiny-s{seed}"]
+        losses = {
+            arm: eval_items.decode_val(
+                eval_items.val_path(tracked_runs.out / f"{arm}-tiny-s{seed}", None, step).read_bytes()
+            )
+            for arm in ("uniform", "prism")
+        }
+        assert len(losses["prism"]) == len(losses["uniform"]) > 1  # the same validation rows, one loss each
+        assert row["step"] == str(step) and row["sequences"] == str(len(losses["prism"]))
+        assert float(row["delta"]) == pytest.approx(np.mean(losses["prism"] - losses["uniform"]))
+        assert float(row["delta_ci95_low"]) < float(row["delta"]) < float(row["delta_ci95_high"])
+        assert "(paired)" in row["seed_level"]  # the main table's seed-level interval, beside it
+    assert "sequences (val sample)" in printed and "seeds (training noise)" in printed

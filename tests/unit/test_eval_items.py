@@ -110,7 +110,7 @@ def test_paired_row_counts_discordant_items_and_leaves_mismatched_ids_out():
     p_correct = [1] * 7 + [0] + [1] * 3 + [0] * 9  # 1 item only uniform got right, 3 only prism
     u = task(ids, u_correct, -np.linspace(10, 20, n), 8)
     p = task(ids, p_correct, -np.linspace(9, 21, n), 8)
-    row, why = paired.task_rows(group, "hellaswag", 4, [(u, p)])
+    row, why = paired.task_rows(group, "hellaswag", 4, [(group.pairs[0], (u, p))])
     assert why is None and row["metric"] == "acc_norm" and row["items"] == n and row["seed_pairs"] == 1
     assert row["delta"] == pytest.approx((3 - 1) / n)
     assert row["mcnemar_p"] == statistics.mcnemar(1, 3)
@@ -119,7 +119,7 @@ def test_paired_row_counts_discordant_items_and_leaves_mismatched_ids_out():
     assert row["noise"] == paired.ITEM_NOISE
 
     other = task([f"{i}-xyz" for i in range(n)], p_correct, -np.linspace(9, 21, n), 8)
-    row, why = paired.task_rows(group, "hellaswag", 4, [(u, other)])
+    row, why = paired.task_rows(group, "hellaswag", 4, [(group.pairs[0], (u, other))])
     assert row is None and "item ids differ between u1 and p1" in why
 
 
