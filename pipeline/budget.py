@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import lr_schedule
 from pipeline.config import Config, ConfigError
 from pipeline.console import duration
 from pipeline.dataset import MANIFEST, DataError
@@ -257,6 +258,7 @@ def format_budget(cfg: Config, budget: Budget) -> str:
         f"  batch        {budget.tokens_per_step:,} tokens/step = micro-batch {budget.micro_batch} x seq {m.seq_len} x "
         f"grad_accum {budget.grad_accum} x DP {budget.dp}",
         f"  steps        {budget.steps:,} optimizer steps, {budget.warmup:,} warmup",
+        f"  LR schedule  {lr_schedule.describe(cfg)}",
         f"  tokens       {budget.tokens:,}",
         f"  epochs       {epochs} of {budget.epochs_source}",
         f"  parameters   {budget.parameters:,}",

@@ -141,7 +141,8 @@ def branch_config(
     overrides: list[str] | None = None,
 ) -> Config:
     """The branch of the main run in ``run_dir`` at ``from_step``: the main run's config as its checkpoint there
-    saved it, plus the cooldown section (``decay_fraction``: of the tokens trained at the branch), ``out``
+    saved it, plus the cooldown section (``decay_fraction``: the share of the branch's tokens at its end that
+    decay, like train.decay_fraction: 0.1 at step 900 decays over 100 steps), ``out``
     (run.output_dir; default the main run's, so both log to one MLflow store) and ``overrides``."""
     if from_step < 1:
         raise ConfigError(f"--from-step {from_step} must be >= 1")
@@ -155,10 +156,10 @@ def branch_config(
     tokens = probe.train.batch_tokens
     if (decay_tokens is None) == (decay_fraction is None):
         raise ConfigError("give one of --decay-tokens T or --decay-fraction F")
-    if decay_fraction is not None:
-        if not 0 < decay_fraction:
-            raise ConfigError(f"--decay-fraction {decay_fraction} must be > 0, e.g. 0.1")
-        decay_tokens = max(1, round(decay_fraction * from_step)) * tokens  # whole steps of the batch
+    if decay_fraction is not None:  # as train.decay_fraction: the share of the branch's whole length that decays
+        if not 0 < decay_fraction < 1:
+            raise ConfigError(f"--decay-fraction {decay_fraction} must be in (0, 1), e.g. 0.1")
+        decay_tokens = max(1, round(decay_fraction * from_step / (1 - decay_fraction))) * tokens  # whole steps
     branch = [f"cooldown.from_run_dir={run_dir}", f"cooldown.from_step={from_step}"]
     branch.append(f"cooldown.decay_tokens={decay_tokens}")
     if decay_shape:

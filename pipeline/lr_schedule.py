@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def describe(cfg: Config) -> str:
     t, s = cfg.train, schedule_of(cfg)
     text = f"warmup {s.warmup:,} steps, then "
     if t.lr_schedule == "wsd":
-        text += f"WSD: constant {t.lr:g} until step {s.total - s.decay_steps:,}, {t.decay_shape} decay over the last "
+        text += f"WSD: constant {t.lr:g} through step {s.total - s.decay_steps:,}, {t.decay_shape} decay over the last "
         text += f"{s.decay_steps:,} steps to {t.min_lr:g}"
     else:
         text += f"cosine from {t.lr:g} to {t.min_lr:g} at step {s.total:,}"
@@ -118,3 +119,44 @@ def describe(cfg: Config) -> str:
             f"{s.main_at(s.branch_step):.4g} to {t.min_lr:g} over {s.branch_decay_steps:,} steps"
         )
     return text
+
+
+def curve(cfg: Config, points: int = 400) -> tuple[list[int], list[float]]:
+    """(steps, LR) sampled over the run, for drawing: the same ``at`` the trainer steps."""
+    total, s = cfg.steps(1)["total"], schedule_of(cfg)
+    steps = sorted({round(i * (total - 1) / max(1, points - 1)) for i in range(points)})
+    return steps, [s.at(step) for step in steps]
+
+
+def ascii_curve(cfg: Config, width: int = 64, height: int = 10) -> list[str]:
+    """The LR curve as text: one column per sampled step, the peak LR on the top row."""
+    steps, lrs = curve(cfg, points=width)
+    top = max(lrs)
+    rows = [[" "] * len(steps) for _ in range(height)]
+    for x, lr in enumerate(lrs):
+        rows[height - 1 - min(height - 1, int(lr / top * (height - 1) + 0.5))][x] = "*"
+    lines = [f"{(top * (height - 1 - i) / (height - 1)):9.2e} |" + "".join(r) for i, r in enumerate(rows)]
+    lines.append(" " * 10 + "+" + "-" * len(steps))
+    lines.append(" " * 11 + f"step 1{' ' * max(1, len(steps) - 6 - len(str(steps[-1] + 1)))}{steps[-1] + 1}")
+    return lines
+
+
+def plot_curve(cfg: Config, path: str | Path) -> Path:
+    """The LR curve as a PNG, written to a temporary name and renamed (never a half-written file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, lrs = curve(cfg, points=2000)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot([s + 1 for s in steps], lrs)
+    ax.set(xlabel="optimizer step", ylabel="learning rate", title=f"{cfg.run_name}: {cfg.train.lr_schedule}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

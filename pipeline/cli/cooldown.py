@@ -31,7 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     decay = p.add_mutually_exclusive_group(required=True)
     decay.add_argument("--decay-tokens", type=int, help="tokens each branch trains while its LR decays")
     decay.add_argument(
-        "--decay-fraction", type=float, help="the decay as a fraction of the tokens trained at the branch step"
+        "--decay-fraction",
+        type=float,
+        help="the share of each branch's length (its main steps plus the decay) that decays, like "
+        "train.decay_fraction: 0.1 at step 900 decays over 100 steps",
     )
     p.add_argument("--decay-shape", choices=["linear", "1-sqrt", "cosine"], help="default: train.decay_shape")
     p.add_argument("--out", help="run.output_dir of the branches (default: the main run's; MLflow: the main run's)")

@@ -43,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"mean time between failures of one node, in hours (default {MTBF_NODE_HOURS:,.0f}: Llama 3's 419 "
         "unexpected interruptions in 54 days on 2,048 nodes; docs/cluster.md)",
     )
+    p.add_argument("--lr-curve", action="store_true", help="draw the learning-rate schedule in the terminal")
+    p.add_argument("--lr-plot", metavar="PNG", help="write the learning-rate schedule to this PNG")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -75,4 +77,11 @@ def run(args: argparse.Namespace) -> int:
     step_seconds = budget.wall_seconds / budget.steps if budget.wall_seconds else None
     lines = [format_budget(cfg, budget), *format_aside_cost(cfg, aside, budget)]
     print("\n".join([*lines, *format_checkpoint_plan(cfg, ckpt, args.nodes, step_seconds)]))
+    if args.lr_curve or args.lr_plot:
+        from pipeline import lr_schedule
+
+        if args.lr_curve:
+            print("\n".join(["  LR curve", *lr_schedule.ascii_curve(cfg)]))
+        if args.lr_plot:
+            print(f"  LR plot      {lr_schedule.plot_curve(cfg, args.lr_plot)}")
     return 0

@@ -1,0 +1,138 @@
+"""Annealed points in the comparison (issue #40): each cooldown branch's final validation loss is one point at
+(scale, arm, schedule, tokens). A cosine run's earlier checkpoints sit at a high learning rate; a branch
+decayed to min_lr is what a run of that length reaches, so the arms are compared at each budget annealed.
+
+Per (scale, tokens): the annealed val loss of each arm (mean ± std over seeds) and Δ Prism − uniform with its
+95 % interval and p, paired by seed where both arms ran the same seeds on the same data order, Welch otherwise
+(compare.arm_difference: the same test as the main table). A plot per scale draws the main runs' curves with
+the annealed points beside them. The branch runs come from compare.load_runs(..., branches=True), which keeps
+them out of the main curves and tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline import statistics
+
+if TYPE_CHECKING:
+    from pipeline.compare import RunSeries
+
+
+def end_tokens(run: RunSeries) -> float:
+    """Where a branch's annealed point sits: the tokens of its last validation."""
+    return run.val[-1][1] if run.val else math.nan
+
+
+def summarize(branches: list[RunSeries]) -> list[dict[str, Any]]:
+    """One row per (scale, tokens, arm, schedule) of finished branches, Prism rows with Δ against uniform."""
+    from pipeline.compare import ARMS, arm_difference
+
+    rows: list[dict[str, Any]] = []
+    measured = [r for r in branches if r.val]
+    for scale, tokens in sorted({(r.scale, end_tokens(r)) for r in measured}):
+        here = [r for r in measured if (r.scale, end_tokens(r)) == (scale, tokens)]
+        uniform = [r for r in here if r.arm == "uniform"]
+        for arm, schedule in sorted({(r.arm, r.schedule) for r in here}, key=lambda k: (ARMS.index(k[0]), k[1])):
+            group = [r for r in here if (r.arm, r.schedule) == (arm, schedule)]
+            mean, std = statistics.mean_std([r.final_val_loss for r in group])
+            diff = arm_difference(uniform, group) if arm == "prism" and uniform else None
+            rows.append(
+                {
+                    "scale": scale,
+                    "tokens": int(tokens),
+                    "arm": arm,
+                    "schedule": schedule,
+                    "branch_steps": ",".join(sorted({str(r.branch_step) for r in group})),
+                    "seeds": ",".join(r.seed for r in group),
+                    "annealed_val_loss_mean": mean,
+                    "annealed_val_loss_std": std,
+                    "delta_vs_uniform": diff.mean if diff else math.nan,
+                    "delta_ci95_low": diff.low if diff else math.nan,
+                    "delta_ci95_high": diff.high if diff else math.nan,
+                    "delta_p_value": diff.p_value if diff else math.nan,
+                    "delta_test": diff.method if diff else "",
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    from pipeline.compare import _delta_cell
+
+    if not rows:
+        return ""
+    out = [
+        "",
+        "### Annealed points (cooldown branches)",
+        "",
+        "Each branch's final val loss after its decay to min_lr, at the tokens it ended on.",
+        "",
+        "| scale | tokens | arm | schedule | from step | seeds | annealed val loss (mean ± std) "
+        "| Δ Prism − uniform [95 % CI] | p (test) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        std = "n/a" if math.isnan(r["annealed_val_loss_std"]) else f"{r['annealed_val_loss_std']:.4f}"
+        delta, p = _delta_cell(r)
+        out.append(
+            f"| {r['scale']} | {r['tokens']:,} | {r['arm']} | {r['schedule']} | {r['branch_steps']} | "
+            f"{len(r['seeds'].split(','))} | {r['annealed_val_loss_mean']:.4f} ± {std} | {delta} | {p} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def plot(
+    branches: list[RunSeries], main_runs: list[RunSeries], out_dir: Path, save: Callable[[Any, Path], Path]
+) -> list[Path]:
+    """Per scale: each arm's main curve (mean over seeds) and its annealed points (mean, ±1 std bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    from pipeline.compare import ARMS, compact_tokens, interpolate, token_grid
+
+    paths: list[Path] = []
+    rows = summarize(branches)
+    for scale in sorted({r["scale"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(6.8, 4.4))
+        keys = sorted({(r["arm"], r["schedule"]) for r in rows if r["scale"] == scale}, key=lambda k: ARMS.index(k[0]))
+        for i, (arm, schedule) in enumerate(keys):
+            color = "tab:blue" if arm == "uniform" else ["tab:orange", "tab:green", "tab:red"][i % 3]
+            mains = [r for r in main_runs if (r.scale, r.arm, r.schedule) == (scale, arm, schedule) and r.val]
+            if mains:
+                grid = token_grid(mains)
+                mean = [sum(v) / len(mains) for v in zip(*(interpolate(r, grid) for r in mains))]
+                ax.plot(grid, mean, color=color, alpha=0.5, label=f"{arm} main run")
+            pts = [r for r in rows if (r["scale"], r["arm"], r["schedule"]) == (scale, arm, schedule)]
+            ax.errorbar(
+                [r["tokens"] for r in pts],
+                [r["annealed_val_loss_mean"] for r in pts],
+                yerr=[0.0 if math.isnan(r["annealed_val_loss_std"]) else r["annealed_val_loss_std"] for r in pts],
+                fmt="o--",
+                color=color,
+                capsize=3,
+                label=f"{arm} annealed",
+            )
+        ax.set(xlabel="training tokens", ylabel="validation loss (nats/token)")
+        ax.set_title(f"{scale}: annealed loss vs tokens (cooldown branches)\nline: main run, dots: annealed")
+        ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
+        ax.legend()
+        ax.grid(alpha=0.3)
+        paths.append(save(fig, out_dir / f"annealed_loss_vs_tokens_{scale}.png"))
+    return paths
+
+
+def section(
+    branches: list[RunSeries], main_runs: list[RunSeries], out_dir: Path, save: Callable[[Any, Path], Path]
+) -> tuple[str, list[Path]]:
+    """The comparison's annealed section and its plots; nothing without finished branches."""
+    finished = [r for r in branches if r.status == "FINISHED"]
+    if not finished:
+        return "", []
+    return markdown(summarize(finished)), plot(finished, main_runs, out_dir, save)
