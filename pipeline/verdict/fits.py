@@ -17,7 +17,10 @@ What each number of `scaling_verdict` is:
 - Each has a bootstrap interval that resamples the seeds within each size and arm (a drawn seed brings all its
   points) and refits both arms: it measures **training noise** (which seeds were run), propagated through the
   fits. It does not measure whether the power law is the right form, nor evaluation noise (the validation set
-  is the same for every run). With one seed per size there is no seed noise to measure: the intervals are nan.
+  is the same for every run). With one seed per size there is no seed noise to measure: the intervals are nan;
+  a size with one seed while others have several adds nothing to the interval (`min_seeds` says so). With
+  3 seeds per size and arm the 95 % interval of k covers the true k in >= 90 of 100 synthetic studies
+  (tests/integration/test_fits_coverage.py).
 """
 
 from __future__ import annotations
