@@ -169,6 +169,8 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, level: float = 0.95, iters: i
     pairs, items = a2.shape
     if items == 0:
         raise ValueError("paired_bootstrap needs at least one item")
+    if not (np.isfinite(a2).all() and np.isfinite(b2).all()):
+        raise ValueError("paired scores must be finite (an item without a score has no pair: leave it out of both)")
     diff = b2 - a2
     mean = float(diff.mean())
     rng = np.random.default_rng(seed)

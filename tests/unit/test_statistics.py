@@ -118,13 +118,15 @@ def test_paired_bootstrap_widens_when_seed_pairs_disagree():
     flips = rng.random((3, 3000))
     agree = np.where(flips < 0.03, 1.0, a)  # each pair gains about the same
     disagree = np.where(flips < np.array([[0.0], [0.03], [0.06]]), 1.0, a)  # gains of 0, ~1.5 and ~3 points
-    narrow, wide = st.paired_bootstrap(a, agree), st.paired_bootstrap(a, disagree)
+    narrow, wide = st.paired_bootstrap(a, agree, iters=1000), st.paired_bootstrap(a, disagree, iters=1000)
     assert narrow.mean == pytest.approx((agree - a).mean()) and wide.mean == pytest.approx((disagree - a).mean())
     assert wide.high - wide.low > 1.3 * (narrow.high - narrow.low)
     one_pair = st.paired_bootstrap(a[0], agree[0], iters=500)
     assert one_pair.n == 3000 and one_pair.p_value == pytest.approx(1 / 500)  # floored: no replicate crosses 0
     with pytest.raises(ValueError, match="one shape"):
         st.paired_bootstrap(a, agree[:2])
+    with pytest.raises(ValueError, match="finite"):
+        st.paired_bootstrap([0.5, np.nan], [0.4, 0.6])
 
 
 def test_paired_difference_over_sequences_equals_scipy_on_a_long_sample():
