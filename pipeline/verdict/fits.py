@@ -150,17 +150,19 @@ def _starts(data: _Data, per_axis: int) -> np.ndarray:
 
 
 def _to_power_law(theta: np.ndarray, data: _Data) -> PowerLaw:
-    e, a, alpha = theta[:3]
+    """A parameter row (e, a, α[, b, β]) of the centred log space as the law in N and D."""
+    E, A, alpha = float(np.exp(theta[0])), float(np.exp(theta[1] + theta[2] * data.centre_n)), float(theta[2])
     if data.y is None:
-        return PowerLaw(float(np.exp(e)), float(np.exp(a + alpha * data.centre_n)), float(alpha))
-    b, beta = theta[3:]
-    return PowerLaw(
-        float(np.exp(e)),
-        float(np.exp(a + alpha * data.centre_n)),
-        float(alpha),
-        float(np.exp(b + beta * data.centre_d)),
-        float(beta),
-    )
+        return PowerLaw(E, A, alpha)
+    return PowerLaw(E, A, alpha, float(np.exp(theta[3] + theta[4] * data.centre_d)), float(theta[4]))
+
+
+def _to_theta(law: PowerLaw, data: _Data) -> np.ndarray:
+    """The inverse of _to_power_law."""
+    theta = [np.log(law.E), np.log(law.A) - law.alpha * data.centre_n, law.alpha]
+    if data.y is not None:
+        theta += [np.log(law.B) - law.beta * data.centre_d, law.beta]
+    return np.array(theta)
 
 
 def _check_points(N, L, D) -> None:
@@ -262,7 +264,7 @@ class _Arm:
             N,
             np.array([float(p["D"]) for p in points]),
             np.array([float(p["loss"]) for p in points]),
-            np.array([float(p.get("tokens_per_sec", np.nan)) for p in points]),
+            np.array([np.nan if p.get("tokens_per_sec") is None else float(p["tokens_per_sec"]) for p in points]),
             groups,
             members,
         )
@@ -337,10 +339,7 @@ def _refits(arm: _Arm, law: PowerLaw, two_d: bool, weights: np.ndarray) -> list[
     """The fit of each bootstrap replicate (a row of ``weights``), all warm-started from the point fit and
     solved as one stacked L-BFGS-B run."""
     data = _prepare(arm.N, arm.resampling_loss(), arm.D if two_d else None)
-    theta = [np.log(law.E), np.log(law.A) - law.alpha * data.centre_n, law.alpha]
-    if two_d:
-        theta += [np.log(law.B) - law.beta * data.centre_d, law.beta]
-    fitted = _minimize(data, weights, np.tile(theta, (len(weights), 1)))
+    fitted = _minimize(data, weights, np.tile(_to_theta(law, data), (len(weights), 1)))
     return [_to_power_law(row, data) for row in fitted]
 
 
