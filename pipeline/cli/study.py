@@ -21,13 +21,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "items",
         nargs="+",
         metavar="CONFIG|KEY=VALUE",
-        help="YAML presets (arms or schedules of one scale) and dotted overrides applied to all of them",
+        help="YAML presets (arms or schedules of one scale, or of several scales on one dataset: a ladder such as "
+        "configs/ladder, which ends with `prism scaling`'s report) and dotted overrides applied to all of them",
     )
     p.add_argument("--seeds", default="3", help="a count N (seeds 1..N), a list 1,2,3 or a range 1-3")
     p.add_argument(
         "--jobs", type=int, default=1, help="runs trained at once (more than 1 makes their tokens/s incomparable)"
     )
-    p.add_argument("--out", default=None, help="report folder; None means <run.output_dir>/compare/<experiment>")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="report folder; None means <run.output_dir>/compare/<experiment> (a ladder: "
+        "<out or run.output_dir/compare>/<experiment> per scale and .../scaling)",
+    )
     p.set_defaults(func=run)
 
 

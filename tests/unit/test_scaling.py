@@ -102,3 +102,13 @@ def test_the_table_and_csv_on_points_from_a_known_law():
         law_points([1e6, 3e6, 1e7], seeds=(1,)), scaling.fit(law_points([1e6, 3e6, 1e7], seeds=(1,))), "x"
     )
     assert "n/a: needs ≥ 2 seeds per size" in one_seed
+
+
+def test_a_study_may_run_a_ladder_of_scales_on_one_dataset():
+    from pipeline.study import study_runs
+
+    presets = [str(ROOT / f"configs/ladder/{arm}_w{w}.yaml") for w in WIDTHS for arm in ("uniform", "prism")]
+    runs = study_runs(presets, [1], [])
+    assert [r.cfg.experiment for r in runs[::2]] == [f"prism-ladder-w{w}" for w in WIDTHS]
+    with pytest.raises(ConfigError, match="one dataset with one tokenizer"):  # the paper's 124m reads another
+        study_runs([presets[0], str(ROOT / "configs/prism_124m.yaml")], [1], [])
