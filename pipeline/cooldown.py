@@ -39,6 +39,8 @@ def tag_at(run_dir: str | Path, step: int) -> Path:
     try:
         return checkpoint.resolve_tag_dir(run_dir, step=step)
     except ConfigError as e:
+        if f"no checkpoint at step {step}" not in str(e):
+            raise ConfigError(f"cooldown.from_run_dir: {e}") from None
         raise ConfigError(
             f"cooldown.from_step: {e}; branch from a step kept there, or keep one in future main runs with "
             f"checkpoint.keep_every_steps (a milestone every that many steps is never pruned)"

@@ -77,9 +77,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {cfg.run_name}: {cfg.cooldown.decay_tokens:,} tokens from step {cfg.cooldown.from_step}")
             print(f"prism train {shlex.quote(str(path))}")
             print(f"torchrun --nproc-per-node N -m pipeline.cli train {shlex.quote(str(path))}")
-            print(f"PRISM_CONFIG={shlex.quote(str(path))} sbatch launchers/{cfg.run.arm}_{cfg.run.scale}.sbatch")
+            print(f"PRISM_CONFIG={shlex.quote(str(path))} sbatch {launcher(cfg)}")
         return 0
     return train_each(branches, paths)
+
+
+def launcher(cfg: Config) -> str:
+    """The arm's and scale's Slurm launcher; any launchers/*.sbatch runs the config PRISM_CONFIG names."""
+    own = Path("launchers") / f"{cfg.run.arm}_{cfg.run.scale}.sbatch"
+    return str(own) if own.is_file() else f"launchers/prism_124m.sbatch  # no {own}: any launcher, its #SBATCH lines"
 
 
 def train_each(branches: list[Config], paths: list[Path]) -> int:
