@@ -641,7 +641,9 @@ def build_start(
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size, load_universal=reshard, skipper=skipper)
     state = TrainState(loader=loader, skipper=skipper)
     if resume.tag:
-        saved_dp = checkpoint.load(engine, cfg, resume.tag, state)
+        saved_dp = checkpoint.load(engine, cfg, resume.tag, state, resume.source_dir)
+        if resume.source_dir is not None:  # a cooldown branch's first start: a new tracking run of its own
+            state.run_id = None
         if saved_dp != dp_size:
             say(
                 f"prism train: elastic resume: {resume.tag} was saved at data-parallel size {saved_dp}, continuing "
@@ -684,6 +686,8 @@ def say_start(run: Run, resume: checkpoint.Resume, epochs: float, dp_size: int) 
     for line in resume_notes(resume):  # e.g. a damaged newest checkpoint and the one resumed from instead
         say(line)
     what = f"resumed from {resume.tag}" if resume.tag else "fresh start"
+    if resume.source_dir is not None:
+        what = f"cooldown branch from {resume.source_dir / resume.tag}: {lr_schedule.describe(cfg)}"
     say(
         f"prism train: {cfg.run_name} | {what} | world {dist.get_world_size()} = TP {cfg.parallel.tp} x DP "
         f"{dp_size} | ZeRO-{cfg.parallel.zero_stage} {cfg.train.precision} on {run.device} | {run.total_steps} "
@@ -718,6 +722,7 @@ def loop(run: Run) -> int:
             run.clock,
         )
         state.step += 1
+        faults.log_batches(state.step, result.batches)  # PRISM_FAULT_BATCH_LOG in tests; nothing otherwise
         run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import schedule
+from pipeline import cooldown, schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten, result_hash
 from pipeline.redaction import redact_text, redact_uri
@@ -93,6 +93,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "mlflow.note.content": f"{cfg.run.arm} arm, schedule {schedule.compact(cfg.heads_per_layer)}, "
         f"seed {cfg.run.seed}, config {cfg.source}",
     }
+    tags.update(cooldown.lineage_tags(cfg))  # a cooldown branch's main run, step and tokens there
     if os.environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
