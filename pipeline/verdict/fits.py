@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 from scipy import optimize, special
-from threadpoolctl import ThreadpoolController
+
+from pipeline.statistics import one_blas_thread
 
 # Chinchilla's Huber threshold on log residuals: points more than 0.1 % off the curve count linearly, so one
 # bad run bends the fit less than under least squares.
@@ -105,20 +105,13 @@ def _objective(flat: np.ndarray, data: _Data, weights: np.ndarray) -> tuple[floa
     return value, np.stack(grads, axis=1).ravel()
 
 
-@cache
-def _blas() -> ThreadpoolController:
-    return ThreadpoolController()
-
-
 def _minimize(data: _Data, weights: np.ndarray, theta0: np.ndarray) -> np.ndarray:
     """The (R, params) rows minimizing each fit's Huber loss, from ``theta0``."""
     top = float(data.log_loss.max())
     bound = [(top - 12.0, top), (-30.0, 30.0), ALPHA_BOUNDS] + (
         [(-30.0, 30.0), ALPHA_BOUNDS] if theta0.shape[1] == 5 else []
     )
-    # L-BFGS-B's tiny BLAS calls on a threaded OpenBLAS cost 50x more on a busy machine (measured: 10.5 s
-    # against 0.2 s for 16 starts on 2 loaded cores); one thread is the right size for a few parameters.
-    with _blas().limit(limits=1, user_api="blas"):
+    with one_blas_thread():  # L-BFGS-B's BLAS calls are tiny: threads only cost here
         result = optimize.minimize(
             _objective,
             theta0.ravel(),
