@@ -223,7 +223,7 @@ class Resume:
     saved_tp: int | None = None
     damaged: list[str] = field(default_factory=list)  # newer tags passed over, "<tag>: <what is wrong>" each
     # the checkpoint folder ``tag`` is in when it is not this run's: a cooldown branch's first start loads its main
-    # run's tag from there (read only; pipeline.cooldown)
+    # run's tag from there (read only; pipeline.cooldown.start_point decides it)
     source_dir: Path | None = None
 
 
@@ -258,12 +258,6 @@ def resume_point(cfg: Config) -> Resume:
     ckpt_dir = Path(cfg.checkpoint_dir)
     _, world = _world()
     dp = world // cfg.parallel.tp if world % cfg.parallel.tp == 0 else None
-    if cfg.is_branch:  # its first start loads its main run's tag; every refusal before a folder is written
-        from pipeline import cooldown
-
-        if (branch := cooldown.start_point(cfg, dp)) is not None:
-            check_writable(ckpt_dir)
-            return branch
     check_writable(ckpt_dir)
     pointer = ckpt_dir / LATEST
     named, limit, pointer_problem = read_latest(ckpt_dir), None, None

@@ -9,7 +9,8 @@ exactly), reading the main run's folder and never writing to it; its LR is pipel
 This module owns what a branch may start from; every refusal happens before either folder is written:
 no intact checkpoint at from_step, a decay past the data the epoch budget leaves, a main run trained with
 another model, data or recipe (checkpoint.check_resume_policy, the resume's own policy), a branch folder that
-already holds another branch. `prism cooldown` (pipeline.cli.cooldown) writes and launches a branch's config.
+already holds another branch. `prism cooldown` (pipeline.cli.cooldown) writes and launches a branch's config;
+the branch's MLflow tags naming its main run are pipeline.tracking.mlflow_run.branch_tags'.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from pipeline import budget, checkpoint
 from pipeline.config import Config, ConfigError, CooldownConfig, apply_overrides, from_dict
 from pipeline.config.resume_keys import flatten
 
-# The MLflow tags a branch run carries besides a run's usual ones (pipeline.tracking.mlflow_run.run_tags):
-# `prism compare` and `prism scaling` read a branch as an annealed point through them.
-PARENT_RUN_TAG, STEP_TAG, TOKENS_TAG = "branch_parent_run_id", "branch_step", "branch_tokens"
 CONFIG_NAME = "cooldown.yaml"  # the branch's config, written by `prism cooldown` into the branch's folder
 
 
@@ -116,20 +114,6 @@ def start_point(cfg: Config, dp: int | None) -> checkpoint.Resume | None:
         saved_tp=record.get("tp"),
         source_dir=tag_dir.parent,
     )
-
-
-def lineage_tags(cfg: Config) -> dict[str, str]:
-    """A branch run's tags naming its main run, step and tokens there; none for a main run."""
-    if not cfg.is_branch:
-        return {}
-    from pipeline.tracking.journal import journal_run_id
-
-    step = cfg.cooldown.from_step
-    try:  # the main run's MLflow run, in the journal beside its checkpoints
-        parent = journal_run_id(checkpoint.checkpoint_folder(cfg.main_run_dir))
-    except ConfigError:  # its checkpoints were deleted since the branch started: the tag was set then
-        parent = None
-    return {PARENT_RUN_TAG: parent or "", STEP_TAG: str(step), TOKENS_TAG: str(step * cfg.train.batch_tokens)}
 
 
 # --- `prism cooldown`: the branch's config from the main run's ------------------------------------------------

@@ -521,7 +521,7 @@ def train(cfg: Config) -> dict[str, Any]:
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     # the resume checks share the checkpoint hashing out over the ranks
     init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
-    resume = checkpoint.resume_point(cfg)
+    resume = branch_start(cfg) or checkpoint.resume_point(cfg)
     if resume.finished:
         return already_finished(cfg, resume)
     run = setup(cfg, resume)
@@ -546,6 +546,22 @@ def train(cfg: Config) -> dict[str, Any]:
         if run.watch is not None:
             run.watch.close()
     return finish(run, exit_code)
+
+
+def branch_start(cfg: Config) -> checkpoint.Resume | None:
+    """A cooldown branch's first start: its main run's tag (pipeline.cooldown, refusing before any folder is
+    written); None for a main run or a branch whose own folder already holds a start of it (it resumes)."""
+    import torch.distributed as dist
+
+    from pipeline import cooldown
+
+    if not cfg.is_branch:
+        return None
+    world, tp = dist.get_world_size(), cfg.parallel.tp
+    resume = cooldown.start_point(cfg, world // tp if world % tp == 0 else None)
+    if resume is not None:
+        checkpoint.check_writable(cfg.checkpoint_dir)  # the branch's first write, after every check
+    return resume
 
 
 def setup(cfg: Config, resume: checkpoint.Resume) -> Run:

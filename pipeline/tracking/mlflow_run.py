@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import cooldown, schedule
+from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, flatten, result_hash
 from pipeline.redaction import redact_text, redact_uri
@@ -93,12 +93,34 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "mlflow.note.content": f"{cfg.run.arm} arm, schedule {schedule.compact(cfg.heads_per_layer)}, "
         f"seed {cfg.run.seed}, config {cfg.source}",
     }
-    tags.update(cooldown.lineage_tags(cfg))  # a cooldown branch's main run, step and tokens there
+    tags.update(branch_tags(cfg))
     if os.environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
             tags["slurm_array"] = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
     return tags
+
+
+def branch_tags(cfg: Config) -> dict[str, str]:
+    """A cooldown branch's lineage (pipeline.cooldown), which `prism compare` and `prism scaling` read it as an
+    annealed point by: its main run's MLflow run (from the journal beside the main run's checkpoints), the
+    branch step and the tokens trained there. None for a main run."""
+    if not cfg.is_branch:
+        return {}
+    from pipeline.checkpoint import checkpoint_folder
+    from pipeline.config import ConfigError
+    from pipeline.tracking.journal import journal_run_id
+
+    try:
+        parent = journal_run_id(checkpoint_folder(cfg.main_run_dir))
+    except ConfigError:  # the main run's checkpoints were deleted since: the tags were set at the first start
+        parent = None
+    step = cfg.cooldown.from_step
+    return {
+        "branch_parent_run_id": parent or "",
+        "branch_step": str(step),
+        "branch_tokens": str(step * cfg.train.batch_tokens),
+    }
 
 
 class MlflowTracker:

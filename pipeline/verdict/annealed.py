@@ -4,9 +4,9 @@ decayed to min_lr is what a run of that length reaches, so the arms are compared
 
 Per (scale, tokens): the annealed val loss of each arm (mean ± std over seeds) and Δ Prism − uniform with its
 95 % interval and p, paired by seed where both arms ran the same seeds on the same data order, Welch otherwise
-(compare.arm_difference: the same test as the main table). A plot per scale draws the main runs' curves with
-the annealed points beside them. The branch runs come from compare.load_runs(..., branches=True), which keeps
-them out of the main curves and tables.
+(compare.arm_difference, handed in by compare: the same test as the main table's). A plot per scale draws the
+main runs' curves with the annealed points beside them. The branch runs come from compare.load_runs(...,
+branches=True), which keeps them out of the main curves and tables; compare calls this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -21,22 +21,26 @@ from pipeline import statistics
 if TYPE_CHECKING:
     from pipeline.compare import RunSeries
 
+Difference = Callable[[list["RunSeries"], list["RunSeries"]], statistics.Difference]  # compare.arm_difference
+
+
+def _arm_order(arm: str) -> int:
+    return 0 if arm == "uniform" else 1
+
 
 def end_tokens(run: RunSeries) -> float:
     """Where a branch's annealed point sits: the tokens of its last validation."""
     return run.val[-1][1] if run.val else math.nan
 
 
-def summarize(branches: list[RunSeries]) -> list[dict[str, Any]]:
-    """One row per (scale, tokens, arm, schedule) of finished branches, Prism rows with Δ against uniform."""
-    from pipeline.compare import ARMS, arm_difference
-
+def summarize(branches: list[RunSeries], arm_difference: Difference) -> list[dict[str, Any]]:
+    """One row per (scale, tokens, arm, schedule) of the branches, Prism rows with Δ against uniform."""
     rows: list[dict[str, Any]] = []
     measured = [r for r in branches if r.val]
     for scale, tokens in sorted({(r.scale, end_tokens(r)) for r in measured}):
         here = [r for r in measured if (r.scale, end_tokens(r)) == (scale, tokens)]
         uniform = [r for r in here if r.arm == "uniform"]
-        for arm, schedule in sorted({(r.arm, r.schedule) for r in here}, key=lambda k: (ARMS.index(k[0]), k[1])):
+        for arm, schedule in sorted({(r.arm, r.schedule) for r in here}, key=lambda k: (_arm_order(k[0]), k[1])):
             group = [r for r in here if (r.arm, r.schedule) == (arm, schedule)]
             mean, std = statistics.mean_std([r.final_val_loss for r in group])
             diff = arm_difference(uniform, group) if arm == "prism" and uniform else None
@@ -60,9 +64,16 @@ def summarize(branches: list[RunSeries]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    from pipeline.compare import _delta_cell
+def _delta_cells(r: dict[str, Any]) -> tuple[str, str]:
+    if math.isnan(r["delta_vs_uniform"]):
+        return "", ""
+    if math.isnan(r["delta_ci95_low"]):
+        return f"{r['delta_vs_uniform']:+.4f} [needs ≥ 2 seeds]", ""
+    low, high, p = r["delta_ci95_low"], r["delta_ci95_high"], r["delta_p_value"]
+    return f"{r['delta_vs_uniform']:+.4f} [{low:+.4f}, {high:+.4f}]", f"{p:.3f} ({r['delta_test']})"
 
+
+def markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     out = [
@@ -77,7 +88,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         std = "n/a" if math.isnan(r["annealed_val_loss_std"]) else f"{r['annealed_val_loss_std']:.4f}"
-        delta, p = _delta_cell(r)
+        delta, p = _delta_cells(r)
         out.append(
             f"| {r['scale']} | {r['tokens']:,} | {r['arm']} | {r['schedule']} | {r['branch_steps']} | "
             f"{len(r['seeds'].split(','))} | {r['annealed_val_loss_mean']:.4f} ± {std} | {delta} | {p} |"
@@ -86,29 +97,25 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(
-    branches: list[RunSeries], main_runs: list[RunSeries], out_dir: Path, save: Callable[[Any, Path], Path]
+    rows: list[dict[str, Any]], main_runs: list[RunSeries], out_dir: Path, save: Callable[[Any, Path], Path]
 ) -> list[Path]:
-    """Per scale: each arm's main curve (mean over seeds) and its annealed points (mean, ±1 std bars)."""
+    """Per scale: each arm's main runs (their measured val losses) and its annealed points (mean, ±1 std)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    from pipeline.compare import ARMS, compact_tokens, interpolate, token_grid
-
     paths: list[Path] = []
-    rows = summarize(branches)
     for scale in sorted({r["scale"] for r in rows}):
         fig, ax = plt.subplots(figsize=(6.8, 4.4))
-        keys = sorted({(r["arm"], r["schedule"]) for r in rows if r["scale"] == scale}, key=lambda k: ARMS.index(k[0]))
+        keys = sorted({(r["arm"], r["schedule"]) for r in rows if r["scale"] == scale}, key=lambda k: _arm_order(k[0]))
         for i, (arm, schedule) in enumerate(keys):
             color = "tab:blue" if arm == "uniform" else ["tab:orange", "tab:green", "tab:red"][i % 3]
             mains = [r for r in main_runs if (r.scale, r.arm, r.schedule) == (scale, arm, schedule) and r.val]
-            if mains:
-                grid = token_grid(mains)
-                mean = [sum(v) / len(mains) for v in zip(*(interpolate(r, grid) for r in mains))]
-                ax.plot(grid, mean, color=color, alpha=0.5, label=f"{arm} main run")
+            for n, run in enumerate(mains):
+                tokens, losses = [t for _, t, _ in run.val], [v for _, _, v in run.val]
+                ax.plot(tokens, losses, color=color, alpha=0.4, lw=1, label=None if n else f"{arm} main run")
             pts = [r for r in rows if (r["scale"], r["arm"], r["schedule"]) == (scale, arm, schedule)]
             ax.errorbar(
                 [r["tokens"] for r in pts],
@@ -121,7 +128,7 @@ def plot(
             )
         ax.set(xlabel="training tokens", ylabel="validation loss (nats/token)")
         ax.set_title(f"{scale}: annealed loss vs tokens (cooldown branches)\nline: main run, dots: annealed")
-        ax.xaxis.set_major_formatter(FuncFormatter(compact_tokens))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x / 1e6:g}M"))
         ax.legend()
         ax.grid(alpha=0.3)
         paths.append(save(fig, out_dir / f"annealed_loss_vs_tokens_{scale}.png"))
@@ -129,10 +136,14 @@ def plot(
 
 
 def section(
-    branches: list[RunSeries], main_runs: list[RunSeries], out_dir: Path, save: Callable[[Any, Path], Path]
+    branches: list[RunSeries],
+    main_runs: list[RunSeries],
+    out_dir: Path,
+    save: Callable[[Any, Path], Path],
+    arm_difference: Difference,
 ) -> tuple[str, list[Path]]:
     """The comparison's annealed section and its plots; nothing without finished branches."""
-    finished = [r for r in branches if r.status == "FINISHED"]
-    if not finished:
+    rows = summarize([r for r in branches if r.status == "FINISHED"], arm_difference)
+    if not rows:
         return "", []
-    return markdown(summarize(finished)), plot(finished, main_runs, out_dir, save)
+    return markdown(rows), plot(rows, main_runs, out_dir, save)

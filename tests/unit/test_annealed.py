@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pipeline import statistics
-from pipeline.compare import RunSeries
+from pipeline.compare import RunSeries, arm_difference
 from pipeline.verdict import annealed
 
 
@@ -32,7 +32,7 @@ BRANCHES = [
 
 
 def test_one_row_per_budget_and_arm_with_the_seed_paired_delta():
-    rows = annealed.summarize(BRANCHES)
+    rows = annealed.summarize(BRANCHES, arm_difference)
     assert [(r["tokens"], r["arm"]) for r in rows] == [
         (81920, "uniform"),
         (81920, "prism"),
@@ -49,8 +49,11 @@ def test_one_row_per_budget_and_arm_with_the_seed_paired_delta():
 
 
 def test_the_table_names_each_budget_and_an_unfinished_branch_is_left_out(tmp_path):
-    text = annealed.markdown(annealed.summarize(BRANCHES))
+    text = annealed.markdown(annealed.summarize(BRANCHES, arm_difference))
     assert "| tiny | 81,920 | prism | 3x2,6x2,12x4 | 36 | 2 | 5.0300 ± 0.0424 |" in text
     assert "| tiny | 163,840 | uniform | 12x8 | 72 | 1 | 4.8000 ± n/a |" in text
     running = branch("prism", 3, 144, 327680, 4.5, status="RUNNING")
-    assert annealed.section([running], [], tmp_path, lambda fig, path: path) == ("", [])  # no plot either
+    assert annealed.section([running], [], tmp_path, lambda fig, path: path, arm_difference) == (
+        "",
+        [],
+    )  # no plot either
