@@ -18,7 +18,9 @@ value with the latest timestamp wins. Never imports the training loop.
 Why it is over 400 lines: it is one job, read -> summarize -> table/CSV -> plots -> log, each stage a few
 short functions over the same RunSeries, and every caller of the comparison (`prism compare`, study, demo,
 search) wants the whole chain through `compare_arms`; split up, the stages would only pass RunSeries across
-files. The downstream-eval part, a table section and plot of its own, is already pipeline.compare_evals.
+files. The downstream-eval part, a table section and plot of its own, is already pipeline.compare_evals; the
+scaling fits are pipeline.verdict.scaling's, which `compare_scales` runs over several experiments (`prism
+scaling`) through the same read and log.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class RunSeries:
     host: str = ""
     span: tuple[float, float] = (math.nan, math.nan)  # wall-clock seconds (first, last) of the logged steps
     evals: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)  # task/metric -> (step, tokens, v)
+    branch_step: int | None = None  # a cooldown branch's step in its main run (pipeline.cooldown); None: a main run
 
     @property
     def final_val_loss(self) -> float:
@@ -127,7 +130,9 @@ def _thresholds(params: dict[str, str], tag_keys: list[str]) -> list[float]:
     return sorted(xs, reverse=True)
 
 
-def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
+def load_runs(experiment: str, tracking_uri: str, branches: bool = False) -> list[RunSeries]:
+    """The experiment's main training runs, or with ``branches`` its cooldown branches only (annealed points,
+    pipeline.verdict.annealed): a branch is never part of the main curves and tables."""
     client = store.client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -138,7 +143,7 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
     runs: list[RunSeries] = []
     for run in client.search_runs([exp.experiment_id], filter_string="tags.kind = 'train'", max_results=10000):
         tags, params = run.data.tags, run.data.params
-        if tags.get("arm") not in ARMS:
+        if tags.get("arm") not in ARMS or ("branch_step" in tags) != branches:
             continue
         rid = run.info.run_id
         val = latest_per_step(client.get_metric_history(rid, "val/loss"))
@@ -176,9 +181,10 @@ def load_runs(experiment: str, tracking_uri: str) -> list[RunSeries]:
                 host=tags.get("hostname", ""),
                 span=span,
                 evals=evals,
+                branch_step=int(tags["branch_step"]) if branches else None,
             )
         )
-    if not runs:
+    if not runs and not branches:
         raise ConfigError(f"experiment {experiment!r} in {tracking_uri} has no training runs (tags.kind='train')")
     return sorted(runs, key=lambda r: (r.scale, ARMS.index(r.arm), r.schedule, r.seed))
 
@@ -445,7 +451,7 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
     from mlflow.entities import RunTag
 
     client = store.client(tracking_uri)
-    arms_exp = client.get_experiment_by_name(experiment)
+    arms_exp = client.get_experiment_by_name(experiment)  # None for several (prism scaling: "a+b+c")
     name = comparison_experiment(experiment)
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -462,7 +468,7 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
             "kind": "comparison",
             "compared_experiment": experiment,
             "mlflow.note.content": f"Prism vs uniform over the training runs of experiment {experiment!r} "
-            f"(id {arms_exp.experiment_id}); tables and plots under Artifacts > comparison.",
+            f"(id {arms_exp.experiment_id if arms_exp else 'several'}); tables and plots under Artifacts > comparison.",
         }
         run_id = client.create_run(exp.experiment_id, run_name=f"comparison of {experiment}", tags=tags).info.run_id
     client.log_batch(run_id, tags=[RunTag("compared_runs", ",".join(r.run_id for r in runs)[:5000])])
@@ -470,6 +476,33 @@ def log_comparison(experiment: str, tracking_uri: str, paths: list[Path], runs: 
         client.log_artifact(run_id, str(p), "comparison")
     client.set_terminated(run_id)
     return run_id
+
+
+def compare_scales(
+    experiments: list[str], tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True
+) -> dict[str, Any]:
+    """`prism scaling`: the finished runs of several experiments (one per scale) through pipeline.verdict.scaling,
+    logged to the comparison run of all of them, named "a+b+c" (comparison_experiment of that)."""
+    from pipeline.verdict import scaling
+
+    experiments = list(dict.fromkeys(experiments))
+    runs: list[RunSeries] = []
+    for experiment in experiments:
+        found = load_runs(experiment, tracking_uri)
+        scaling.check_finished(experiment, found)
+        runs += found + load_runs(experiment, tracking_uri, branches=True)  # cooldown branches: more (N, D)
+    points = scaling.points_of(runs, tracking_uri)
+    table, paths, verdict = scaling.write_report(points, Path(out_dir), ", ".join(experiments), _save)
+    label, used = "+".join(experiments), {p.run_id for p in points}
+    used_runs = [r for r in runs if r.run_id in used]
+    run_id = log_comparison(label, tracking_uri, paths, used_runs) if log_to_mlflow else None
+    return {
+        "table": table,
+        "paths": paths,
+        "verdict": verdict,
+        "comparison_run_id": run_id,
+        "comparison_experiment": comparison_experiment(label),
+    }
 
 
 def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to_mlflow: bool = True) -> dict[str, Any]:
@@ -486,10 +519,21 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
         table += f"\nLeft out, not FINISHED (running, stopped or failed): {', '.join(unfinished)}\n"
     accuracy = compare_evals.summarize(runs)
     table += compare_evals.markdown(accuracy)
+    branches = load_runs(experiment, tracking_uri, True)
+    scaling_paths: list[Path] = []
+    if len({r.scale for r in runs}) > 1:  # several sizes in one experiment: the scaling fits too
+        from pipeline.verdict import scaling
+
+        text, scaling_paths = scaling.compare_section(runs + branches, tracking_uri, out, _save)
+        table += text
     from pipeline.verdict import paired  # the item- and sequence-paired tables, from the runs' artifacts
 
     paired_text, paired_csvs = paired.section(runs, rows, tracking_uri)
     table += paired_text
+    from pipeline.verdict import annealed  # cooldown branches: annealed loss at each budget
+
+    annealed_text, annealed_paths = annealed.section(branches, runs, out, _save, arm_difference)
+    table += annealed_text
     texts = {"comparison.md": table, "comparison.csv": to_csv(rows)}
     if accuracy:
         texts["accuracy_vs_tokens.csv"] = compare_evals.to_csv(accuracy)
@@ -497,7 +541,7 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
     paths = [out / name for name in texts]
     for path, text in zip(paths, texts.values(), strict=True):
         write_atomic(path, text)
-    paths += plot(runs, out)
+    paths += plot(runs, out) + scaling_paths + annealed_paths
     paths += compare_evals.plot(accuracy, out, _save, compact_tokens) if accuracy else []
     run_id = log_comparison(experiment, tracking_uri, paths, runs) if log_to_mlflow else None
     return {
