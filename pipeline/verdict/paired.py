@@ -1,6 +1,6 @@
 """The paired tables of `prism compare`: both arms scored on the same items, and on the same validation tokens.
 
-Downstream: per (scale, Prism schedule vs uniform, task, step) where each seed pair (compare.seed_pairs: the
+Downstream: per (scale, Prism schedule vs uniform, task, step) where each seed pair (seed_pairs below: the
 same seed on the same data order) was scored on the same items (the item ids of pipeline.eval.items equal):
 Δ accuracy (acc_norm where the task has it, else acc), with the exact McNemar p on the discordant items
 when there is one seed pair, and a paired bootstrap interval resampling the items (and the seed pairs, when
