@@ -112,3 +112,19 @@ def test_a_study_may_run_a_ladder_of_scales_on_one_dataset():
     assert [r.cfg.experiment for r in runs[::2]] == [f"prism-ladder-w{w}" for w in WIDTHS]
     with pytest.raises(ConfigError, match="one dataset with one tokenizer"):  # the paper's 124m reads another
         study_runs([presets[0], str(ROOT / "configs/prism_124m.yaml")], [1], [])
+
+
+def test_cooldown_branches_add_token_counts_and_the_fit_becomes_two_dimensional():
+    import dataclasses
+
+    def data_term(D):  # B·D^-β: what more tokens remove
+        return 50.0 * D**-0.3
+
+    size_only = law_points([10**6, 10**7])
+    main = [dataclasses.replace(p, loss=p.loss + data_term(p.D)) for p in size_only]
+    branches = [dataclasses.replace(p, D=p.D / 2, loss=p.loss + data_term(p.D / 2), branch=True) for p in size_only]
+    verdict = scaling.fit(main + branches)
+    assert verdict["form"] == "L(N,D)" and verdict["fits"]["prism"].beta is not None
+    table = scaling.markdown(main + branches, verdict, "x")
+    assert "8 annealed cooldown-branch point(s)" in table
+    assert [m["seeds"] for m in scaling.measured(main + branches)] == [2, 2, 2, 2]  # the main runs only
