@@ -69,6 +69,9 @@ RECIPE_KEYS = (
     "train.skip_window",
     "train.skip_sigma",
 )
+# The keys of a WSD schedule: a cosine main run trains the same whatever they say, so its identity (result_hash)
+# leaves them out, as it does an unset cooldown section: a run's identity stays what it was before they existed.
+WSD_KEYS = ("train.lr_schedule", "train.decay_fraction", "train.decay_shape")
 # What a finished run measured, besides what it trained: the comparison reads these series.
 MEASURED_KEYS = (
     "train.val_every",
@@ -109,10 +112,13 @@ def result_hash(cfg: Config) -> str:
     and data keys, recipe, MEASURED_KEYS; the schedule resolved), leaving out execution-only keys and what is
     only logged or kept (train.log_every, data.tasks, tracking, checkpoint cadence), so a rerun that changes
     those finds its finished runs instead of training them again."""
+    inert = () if cfg.is_branch else ("cooldown.",)
+    if cfg.train.lr_schedule == "cosine" and not cfg.is_branch:
+        inert += WSD_KEYS
     kept = {
         k: v
         for k, v in _resolved(flatten(cfg.to_dict())).items()
-        if _in_scope(k, MODEL_OR_DATA_KEYS + RECIPE_KEYS + MEASURED_KEYS)
+        if _in_scope(k, MODEL_OR_DATA_KEYS + RECIPE_KEYS + MEASURED_KEYS) and not k.startswith(inert)
     }
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

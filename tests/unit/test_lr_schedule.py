@@ -104,3 +104,16 @@ def test_impossible_schedules_are_refused_in_one_line(overrides: list[str], mess
     with pytest.raises(ConfigError) as e:
         tiny(*overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_cosine_main_runs_identity_ignores_the_wsd_and_cooldown_keys() -> None:
+    """result_hash ("already finished" in demo and study): keys that change nothing for a cosine main run stay out
+    of it, so runs finished before they existed are still found; a WSD run and a branch are runs of their own."""
+    from pipeline.config import result_hash
+
+    cosine = result_hash(tiny())
+    assert result_hash(tiny("train.decay_shape=linear", "train.decay_fraction=0.3")) == cosine
+    assert result_hash(tiny("train.lr_schedule=wsd")) != cosine
+    branch = ("cooldown.from_step=100", "cooldown.decay_tokens=40960")
+    assert result_hash(tiny(*branch)) != cosine
+    assert result_hash(tiny(*branch, "train.decay_shape=linear")) != result_hash(tiny(*branch))  # its decay's shape
