@@ -103,6 +103,7 @@ class Ladder:
     branch_config: Path  # the Prism branch's config, as `prism cooldown --launch print` wrote it
     main_batches: dict[int, list[str]]
     branch_batches: dict[int, list[str]]
+    main_untouched: bool  # both main runs' folders: the same files, sizes and mtimes after their branches trained
 
     def runs(self) -> dict[str, object]:
         """run name -> its MLflow run."""
@@ -126,6 +127,7 @@ def ladder(tiny_data, tmp_path_factory) -> Ladder:
     uniform = start(["configs/tiny_uniform.yaml", *common, "schedule.heads=12x4"], 1)
     finish(prism), finish(uniform)
     main_dirs = {arm: out / f"{arm}-tiny-s1234" for arm in ("prism", "uniform")}
+    before = listing(*main_dirs.values())
     printed = cooldown(
         str(main_dirs["prism"]), "--from-step", str(BRANCH_STEP), "--decay-tokens", str(DECAY_STEPS * 1024),
         "--launch", "print",
@@ -139,7 +141,8 @@ def ladder(tiny_data, tmp_path_factory) -> Ladder:
     finish(prism)
     assert uniform.returncode == 0, uniform.stdout[-3000:] + uniform.stderr[-3000:]
     branches = {arm: out / f"{arm}-tiny-s1234-cooldown-{BRANCH_STEP}" for arm in ("prism", "uniform")}
-    return Ladder(out, uri, main_dirs, branches, branch_config, hashes(logs["main"]), hashes(logs["branch"]))
+    untouched = listing(*main_dirs.values()) == before
+    return Ladder(out, uri, main_dirs, branches, branch_config, hashes(logs["main"]), hashes(logs["branch"]), untouched)
 
 
 def test_a_branch_reads_the_batches_the_main_run_read_after_its_step(ladder):
@@ -149,6 +152,7 @@ def test_a_branch_reads_the_batches_the_main_run_read_after_its_step(ladder):
         assert len(ladder.branch_batches[step]) == 4  # 2 ranks x grad_accum 2
         assert ladder.branch_batches[step] == ladder.main_batches[step], step
     assert ladder.main_batches[BRANCH_STEP] != ladder.main_batches[BRANCH_STEP + 1]  # the hashes tell steps apart
+    assert ladder.main_untouched  # the branches read the main runs' checkpoints and wrote nothing there
 
 
 def test_a_branch_is_its_own_run_with_lineage_tags(ladder):
