@@ -128,3 +128,14 @@ def test_cooldown_branches_add_token_counts_and_the_fit_becomes_two_dimensional(
     table = scaling.markdown(main + branches, verdict, "x")
     assert "8 annealed cooldown-branch point(s)" in table
     assert [m["seeds"] for m in scaling.measured(main + branches)] == [2, 2, 2, 2]  # the main runs only
+
+
+def test_the_paper_presets_are_one_ladder():
+    # 124M once read sample/10BT and 354M/757M sample/100BT: their val losses came from other validation
+    # tokens, and `prism scaling` refused the paper's own three sizes.
+    runs = []
+    for scale in ("124m", "354m", "757m"):
+        cfg = config.load(ROOT / f"configs/prism_{scale}.yaml", [])
+        runs.append((series(cfg, 1, 3.0), cfg, False))
+    points = scaling.make_points(runs)
+    assert [p.N for p in points] == sorted(p.N for p in points)
