@@ -180,9 +180,10 @@ class Budget:
     dp: int
     micro_batch: int
     grad_accum: int
-    steps: int
+    steps: int  # what this run trains: a cooldown branch's own steps after its main run's shared prefix
     warmup: int
     tokens: int
+    shared_steps: int  # a branch's main run's steps before it (Config.steps' start), trained there; 0: a main run
     tokens_per_step: int
     epochs: float | None  # None: unknown
     epochs_source: str
@@ -220,7 +221,8 @@ def make_budget(
         n_epochs, source = None, "unknown (not prepared, input size unknown)"
     peak = peak_flops if peak_flops is not None else cfg.train.peak_flops
     fpt = flops_per_token(cfg)
-    tokens = steps["total"] * cfg.train.batch_tokens  # what the loop trains: whole optimizer steps
+    own = steps["total"] - steps["start"]  # a branch trains from its main run's step start, not step 1
+    tokens = own * cfg.train.batch_tokens  # what the loop trains: whole optimizer steps
     wall = fpt * tokens / (mfu * peak * world) if peak else None
     return Budget(
         nodes=nodes,
@@ -230,9 +232,10 @@ def make_budget(
         dp=dp,
         micro_batch=cfg.train.micro_batch_size,
         grad_accum=steps["grad_accum"],
-        steps=steps["total"],
-        warmup=steps["warmup"],
+        steps=own,
+        warmup=max(0, steps["warmup"] - steps["start"]),
         tokens=tokens,
+        shared_steps=steps["start"],
         tokens_per_step=cfg.train.batch_tokens,
         epochs=n_epochs,
         epochs_source=source,
@@ -260,6 +263,7 @@ def format_budget(cfg: Config, budget: Budget) -> str:
         f"  steps        {budget.steps:,} optimizer steps, {budget.warmup:,} warmup",
         f"  LR schedule  {lr_schedule.describe(cfg)}",
         f"  tokens       {budget.tokens:,}",
+        *shared_prefix_line(cfg, budget),
         f"  epochs       {epochs} of {budget.epochs_source}",
         f"  parameters   {budget.parameters:,}",
         f"  memory/GPU   {mem['total'] / GIB:.2f} GiB = parameters {mem['parameters'] / GIB:.2f} + gradients "
@@ -276,6 +280,17 @@ def format_budget(cfg: Config, budget: Budget) -> str:
             f"TFLOP/s per GPU"
         )
     return "\n".join(lines)
+
+
+def shared_prefix_line(cfg: Config, budget: Budget) -> list[str]:
+    """A cooldown branch's main-run steps before it: trained by the main run, not counted in steps or time."""
+    if not budget.shared_steps:
+        return []
+    return [
+        f"  main run     steps 1-{budget.shared_steps:,} ({budget.shared_steps * budget.tokens_per_step:,} tokens) "
+        f"shared with {cfg.main_run_dir}, trained there; this branch trains steps {budget.shared_steps + 1:,}-"
+        f"{budget.shared_steps + budget.steps:,}"
+    ]
 
 
 def budget_json(budget: Budget) -> str:

@@ -346,7 +346,8 @@ class Config:
     def steps(self, data_parallel: int = 1) -> dict[str, int]:
         """Optimizer steps, warmup steps and gradient-accumulation steps for a given DP size; main_total and
         decay: the main LR schedule's steps and its WSD decay (pipeline.lr_schedule). A cooldown branch's
-        total is its from_step plus its decay's steps; its warmup and main_total are its main run's."""
+        total is its from_step plus its decay's steps; its warmup and main_total are its main run's; start: the
+        steps done before this run's first (a branch's from_step, trained by its main run; 0 for a main run)."""
         from pipeline.lr_schedule import wsd_decay_steps
 
         t, m, c = self.train, self.model, self.cooldown
@@ -364,6 +365,7 @@ class Config:
             "grad_accum": t.batch_tokens // per_micro,
             "main_total": main,
             "decay": wsd_decay_steps(t.decay_fraction, main) if t.lr_schedule == "wsd" else 0,
+            "start": c.from_step if self.is_branch else 0,
         }
 
 

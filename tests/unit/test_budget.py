@@ -299,3 +299,21 @@ def test_prism_plan_prints_the_checkpoint_lines_and_refuses_a_bad_bandwidth(caps
     assert "recommended checkpoint.every_minutes=41" in out and "this config: every 41 min" in out
     bad = plan_in_a_subprocess("--fs-gbps", "0")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fs-gbps" in bad.stderr
+
+
+def test_a_cooldown_branch_plans_its_own_steps_and_names_the_shared_prefix():
+    """A branch at step 9,900 of the 124M WSD-S main run trains its 1,100 decay steps: its steps, tokens and wall
+    time are those, not the main run's 9,900 before it (a line of their own)."""
+    wsd = ROOT / "configs" / "wsds" / "prism_124m.yaml"
+    main = config.load(wsd)
+    per_step = main.train.batch_tokens
+    branch = config.load(wsd, ["cooldown.from_step=9900", f"cooldown.decay_tokens={1100 * per_step}"])
+    m, b = (budget.make_budget(c, 1, 8, mfu=0.4, peak_flops=989e12) for c in (main, branch))
+    assert (m.steps, m.shared_steps, m.tokens) == (44_000, 0, 44_000 * per_step)
+    assert (b.steps, b.shared_steps, b.tokens, b.warmup) == (1_100, 9_900, 1_100 * per_step, 0)
+    assert b.wall_seconds == pytest.approx(m.wall_seconds * 1_100 / 44_000)
+    text = budget.format_budget(branch, b)
+    assert "steps        1,100 optimizer steps, 0 warmup" in text and f"tokens       {1100 * per_step:,}\n" in text
+    assert f"main run     steps 1-9,900 ({9900 * per_step:,} tokens) shared with runs/prism-124m-s" in text
+    assert "this branch trains steps 9,901-11,000" in text
+    assert "main run " not in budget.format_budget(main, m)

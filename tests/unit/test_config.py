@@ -271,7 +271,7 @@ def test_bad_configs_give_one_line_naming_file_and_key(tmp_path, mutate, message
 
 def test_dp_divisibility_is_checked_for_the_real_world_size():
     cfg = config.load("configs/tiny_prism.yaml")
-    assert cfg.steps(2) == {"total": 384, "warmup": 10, "grad_accum": 1, "main_total": 384, "decay": 0}
+    assert cfg.steps(2) == {"total": 384, "warmup": 10, "grad_accum": 1, "main_total": 384, "decay": 0, "start": 0}
     assert cfg.steps(1)["grad_accum"] == 2
     with pytest.raises(ConfigError, match=r"256 x 4 x 3 = 3072"):
         cfg.steps(3)
