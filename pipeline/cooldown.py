@@ -139,13 +139,12 @@ def branch_config(
         raise ConfigError(f"{saved}: unreadable ({e}); branch from another step") from None
     if probe.is_branch:
         raise ConfigError(f"{run_dir}: is itself a cooldown branch; branch from its main run {probe.main_run_dir}")
-    tokens = probe.train.batch_tokens
     if (decay_tokens is None) == (decay_fraction is None):
         raise ConfigError("give one of --decay-tokens T or --decay-fraction F")
-    if decay_fraction is not None:  # as train.decay_fraction: the share of the branch's whole length that decays
+    if decay_fraction is not None:
         if not 0 < decay_fraction < 1:
             raise ConfigError(f"--decay-fraction {decay_fraction} must be in (0, 1), e.g. 0.1")
-        decay_tokens = max(1, round(decay_fraction * from_step / (1 - decay_fraction))) * tokens  # whole steps
+        decay_tokens = decay_tokens_of(from_step, decay_fraction, probe.train.batch_tokens)
     branch = [f"cooldown.from_run_dir={run_dir}", f"cooldown.from_step={from_step}"]
     branch.append(f"cooldown.decay_tokens={decay_tokens}")
     if decay_shape:
@@ -158,6 +157,12 @@ def branch_config(
             branch.append(f"tracking.uri={run_uri(probe)}")
     data = apply_overrides(probe.to_dict(), [*branch, *(overrides or [])])
     return from_dict(data, source=f"cooldown of {run_dir} at step {from_step}")
+
+
+def decay_tokens_of(from_step: int, decay_fraction: float, batch_tokens: int) -> int:
+    """The tokens of a branch at ``from_step`` whose decay is ``decay_fraction`` of its whole length (its main
+    steps plus the decay), as train.decay_fraction: 0.1 at step 900 decays over 100 steps; whole steps."""
+    return max(1, round(decay_fraction * from_step / (1 - decay_fraction))) * batch_tokens
 
 
 def write_config(cfg: Config) -> Path:

@@ -1,4 +1,5 @@
-"""Sweeps of `prism train` over arms x scales x seeds x schedules, one submitit job per grid point.
+"""Sweeps of `prism train` over arms x scales x seeds x schedules, one submitit job per grid point; with a
+``cooldown:`` section, the cooldown branches of each point at several steps instead (a WSD-S ladder).
 
     from pipeline import sweep
     s = sweep.submit(arms=["prism", "uniform"], scales=["124m"], seeds=[1, 2, 3], executor="slurm",
@@ -23,6 +24,7 @@ from typing import Any
 
 from pipeline import schedule
 from pipeline.atomic import write_atomic
+from pipeline.lr_schedule import DECAY_SHAPES
 from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor, shutdown_grace
 from pipeline.runs.plan import ALL_VALID, GridRun, build_grid
 from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int
@@ -68,13 +70,15 @@ def submit(
     folder: str | Path | None = None,
     name: str = "sweep",
     nproc_per_node: int = 0,
+    configs: list[str] | None = None,
+    cooldown: dict[str, Any] | None = None,
     **executor_params: Any,
 ) -> Sweep:
     """Submit one job per grid point as one submitit job array; write the sweep manifest; return at once.
 
     executor_params go to make_executor (nodes, gpus_per_node, cpus_per_task, timeout_min, partition,
     signal_delay_s, array_parallelism, additional_parameters, max_num_timeout)."""
-    grid = build_grid(arms, scales, seeds, schedules, overrides)
+    grid = build_grid(arms, scales, seeds, schedules, overrides, configs or (), cooldown)
     folder = Path(folder) if folder else ROOT / "runs" / "sweeps" / name
     folder.mkdir(parents=True, exist_ok=True)
     ex = make_executor(folder, executor, job_name=f"prism-{name}", **executor_params)
@@ -94,6 +98,7 @@ def submit(
                 "scale": run.cfg.run.scale,
                 "seed": run.cfg.run.seed,
                 "schedule": schedule.compact(run.cfg.heads_per_layer),
+                "branch_step": run.cfg.cooldown.from_step,
                 "job_id": str(job.job_id),
                 "run_name": run.name,
                 "experiment": run.cfg.experiment,
@@ -114,6 +119,7 @@ SPEC_KEYS = (
     "name",
     "arms",
     "scales",
+    "configs",
     "seeds",
     "schedules",
     "overrides",
@@ -121,7 +127,9 @@ SPEC_KEYS = (
     "folder",
     "nproc_per_node",
     "slurm",
+    "cooldown",
 )
+COOLDOWN_KEYS = ("from_steps", "decay_tokens", "decay_fraction", "decay_shape")  # `prism cooldown`'s options
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
@@ -132,7 +140,19 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     doc = SpecFile(path, "sweep spec", SPEC_KEYS)
     spec = doc.data
 
-    for key in ("arms", "scales"):
+    configs = spec.get("configs")
+    if configs is not None and (
+        not isinstance(configs, list) or not configs or not all(isinstance(x, str) and x for x in configs)
+    ):
+        raise doc.bad("configs", "must be a non-empty list of preset paths, e.g. [configs/wsds/tiny_prism.yaml]")
+    if configs is not None and ("arms" in spec or "scales" in spec):
+        raise doc.error("configs", "give configs (preset paths) or arms and scales (the project's presets), not both")
+    for i, given in enumerate(configs or []):  # a relative path is the project's, as launchers/ are
+        path = Path(given) if Path(given).is_absolute() else ROOT / given
+        if not path.is_file():
+            raise doc.bad("configs", f"{given!r} is not a file; give presets like configs/wsds/tiny_prism.yaml")
+        configs[i] = str(path)
+    for key in () if configs is not None else ("arms", "scales"):
         v = spec.get(key)
         if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
             raise doc.error(key, f"{key} must be a non-empty list of names, got {v!r}")
@@ -160,13 +180,51 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     if "nproc_per_node" in spec and not (is_int(spec["nproc_per_node"]) and spec["nproc_per_node"] >= 0):
         raise doc.bad("nproc_per_node", "must be an integer >= 0 (0: one per GPU, 1 without GPUs)")
     check_slurm_section(doc)
+    check_cooldown_section(doc)
     spec.setdefault("name", doc.path.stem)
     return spec
 
 
+def check_cooldown_section(doc: SpecFile) -> None:
+    """The ``cooldown:`` mapping: from_steps (the branch steps), one of decay_tokens or decay_fraction (as
+    `prism cooldown --decay-tokens | --decay-fraction`) and an optional decay_shape."""
+    c = doc.data.get("cooldown")
+    if c is None:
+        return
+    if not isinstance(c, dict):
+        raise doc.bad("cooldown", f"must be a mapping of {', '.join(COOLDOWN_KEYS)}")
+    unknown = sorted(str(k) for k in c if k not in COOLDOWN_KEYS)
+    if unknown:
+        raise doc.error(
+            f"cooldown.{unknown[0]}", f"unknown key cooldown.{unknown[0]}; allowed: {', '.join(COOLDOWN_KEYS)}", True
+        )
+    steps = c.get("from_steps")
+    if not isinstance(steps, list) or not steps or not all(is_int(s) and s >= 1 for s in steps):
+        raise doc.bad("cooldown.from_steps", "must be a non-empty list of checkpoint steps >= 1, e.g. [36, 72, 144]")
+    if len(set(steps)) != len(steps):
+        raise doc.bad("cooldown.from_steps", "repeats a step; each branch needs its own")
+    if ("decay_tokens" in c) == ("decay_fraction" in c):
+        raise doc.error("cooldown", "cooldown: give one of decay_tokens (tokens each branch decays) or decay_fraction")
+    if "decay_tokens" in c and not (is_int(c["decay_tokens"]) and c["decay_tokens"] >= 1):
+        raise doc.bad("cooldown.decay_tokens", "must be a positive integer (whole steps of train.batch_tokens)")
+    fraction = c.get("decay_fraction")
+    if "decay_fraction" in c and not (isinstance(fraction, float) and 0 < fraction < 1):
+        raise doc.bad("cooldown.decay_fraction", "must be in (0, 1), e.g. 0.1: the share of each branch that decays")
+    if c.get("decay_shape") not in (None, *DECAY_SHAPES):
+        raise doc.bad("cooldown.decay_shape", f"use one of {', '.join(DECAY_SHAPES)}")
+
+
 def grid_of_spec(spec: dict[str, Any]) -> list[GridRun]:
     """The grid a sweep spec (from ``load_spec``) describes."""
-    return build_grid(spec["arms"], spec["scales"], spec["seeds"], spec.get("schedules"), spec.get("overrides"))
+    return build_grid(
+        spec.get("arms", []),
+        spec.get("scales", []),
+        spec["seeds"],
+        spec.get("schedules"),
+        spec.get("overrides"),
+        spec.get("configs") or (),
+        spec.get("cooldown"),
+    )
 
 
 def grid_table(grid: list[GridRun]) -> str:
@@ -174,8 +232,11 @@ def grid_table(grid: list[GridRun]) -> str:
     rows = [f"{'#':>4}  {'arm':<8} {'scale':<6} {'seed':>6}  schedule   -> run name"]
     for i, run in enumerate(grid):
         r = run.cfg.run
+        c = run.cfg.cooldown
+        decay = f" (decays {c.decay_tokens // run.cfg.train.batch_tokens:,} steps)" if run.cfg.is_branch else ""
         rows.append(
             f"{i:>4}  {r.arm:<8} {r.scale:<6} {r.seed:>6}  {schedule.compact(run.cfg.heads_per_layer)}  -> {run.name}"
+            + decay
         )
     rows.append(f"jobs: {len(grid)}")
     return "\n".join(rows)
@@ -184,8 +245,8 @@ def grid_table(grid: list[GridRun]) -> str:
 def submit_spec(spec: dict[str, Any], executor: str | None = None) -> Sweep:
     """Submit a sweep spec (from ``load_spec``); ``executor`` overrides the spec's (default slurm)."""
     return submit(
-        spec["arms"],
-        spec["scales"],
+        spec.get("arms", []),
+        spec.get("scales", []),
         spec["seeds"],
         spec.get("schedules"),
         spec.get("overrides"),
@@ -193,5 +254,7 @@ def submit_spec(spec: dict[str, Any], executor: str | None = None) -> Sweep:
         folder=spec.get("folder"),
         name=spec["name"],
         nproc_per_node=int(spec.get("nproc_per_node", 0)),
+        configs=spec.get("configs"),
+        cooldown=spec.get("cooldown"),
         **(spec.get("slurm") or {}),
     )

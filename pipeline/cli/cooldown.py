@@ -1,4 +1,4 @@
-"""`prism cooldown RUN_DIR --from-step N[,N2...] (--decay-tokens T | --decay-fraction F) [--launch local|print]`:
+"""`prism cooldown RUN_DIR --from-step N [N2 ...] (--decay-tokens T | --decay-fraction F) [--launch local|print]`:
 cooldown branches of a main run, each an annealed point (pipeline.cooldown)."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", help="the main run's folder, e.g. runs/prism-tiny-s1234")
     p.add_argument(
-        "--from-step", required=True, help="checkpoint step(s) to branch at: N or N1,N2,... (one branch each)"
+        "--from-step",
+        required=True,
+        nargs="+",
+        help="checkpoint step(s) to branch at: N, N1 N2 ... or N1,N2,... (one branch each)",
     )
     decay = p.add_mutually_exclusive_group(required=True)
     decay.add_argument("--decay-tokens", type=int, help="tokens each branch trains while its LR decays")
@@ -46,28 +49,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "prism train / torchrun / sbatch commands",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides for the branches, e.g. train.device=cpu")
-    p.epilog = "example: prism cooldown runs/prism-tiny-s1234 --from-step 96,192 --decay-fraction 0.1"
+    p.epilog = "example: prism cooldown runs/prism-tiny-s1234 --from-step 96 192 --decay-fraction 0.1"
     p.set_defaults(func=run)
 
 
-def steps_of(text: str) -> list[int]:
+def steps_of(given: list[str]) -> tuple[list[int], list[str]]:
+    """--from-step's steps (spaced or comma-separated), and the dotted overrides argparse swept in after them."""
     from pipeline.config import ConfigError
 
+    words = [w for arg in given if "=" not in arg for w in arg.split(",") if w]
     try:
-        steps = [int(s) for s in text.split(",")]
+        steps = [int(w) for w in words]
     except ValueError:
-        raise ConfigError(f"--from-step {text!r}: give a step or comma-separated steps, e.g. 96,192") from None
-    return steps
+        raise ConfigError(f"--from-step {' '.join(given)!r}: give steps, e.g. --from-step 96 192") from None
+    if not steps:
+        raise ConfigError("--from-step: give at least one step, e.g. --from-step 96 192")
+    if len(set(steps)) != len(steps):
+        raise ConfigError(f"--from-step {' '.join(given)}: repeats a step; each branch needs its own")
+    return steps, [arg for arg in given if "=" in arg]
 
 
 def run(args: argparse.Namespace) -> int:
     from pipeline import cooldown
 
+    steps, swept_in = steps_of(args.from_step)
+    overrides = [*swept_in, *args.overrides]
     branches = [
         cooldown.branch_config(
-            args.run_dir, step, args.decay_tokens, args.decay_fraction, args.decay_shape, args.out, args.overrides
+            args.run_dir, step, args.decay_tokens, args.decay_fraction, args.decay_shape, args.out, overrides
         )
-        for step in steps_of(args.from_step)
+        for step in steps
     ]
     for cfg in branches:  # every branch checked before any is written or trained
         cooldown.start_point(cfg, dp=None)

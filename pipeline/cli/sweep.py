@@ -9,8 +9,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep",
         help="submit arms x scales x seeds x schedules as one submitit job array",
-        description="SPEC.yaml keys: name, arms, scales, seeds, schedules (list | all-valid | null), "
-        "overrides (mapping or list of dotted overrides), executor (slurm | local), folder, "
+        description="SPEC.yaml keys: name, arms, scales (or configs: preset paths), seeds, schedules (list | "
+        "all-valid | null), overrides (mapping or list of dotted overrides), cooldown (from_steps, decay_tokens | "
+        "decay_fraction, decay_shape: each point's cooldown branches at those steps, as prism cooldown), "
+        "executor (slurm | local), folder, "
         "nproc_per_node, slurm (nodes, gpus_per_node, cpus_per_task, timeout_min, partition, "
         "signal_delay_s, array_parallelism, additional_parameters).",
     )

@@ -130,14 +130,17 @@ def all_valid_schedules(base: Config) -> list[str]:
     ]
 
 
-def expand_schedules(schedules: Any, arm: str, scale: str, overrides: list[str]) -> list[str | None]:
+def expand_schedules(
+    schedules: Any, arm: str, scale: str, overrides: list[str], path: Path | None = None
+) -> list[str | None]:
     """None -> the preset's schedule; "all-valid" -> every schedule the preset's config accepts; else a list.
+    ``path``: the preset (default the project's of ``arm`` at ``scale``).
 
     Each schedule is resolved by the config (a preset name such as paper-124m, a list or the compact form),
     so the sweep accepts exactly what `prism train` accepts, and returns each one in compact form."""
     if schedules in (None, [], ()):
         return [None]
-    path = preset_path(arm, scale)
+    path = path or preset_path(arm, scale)
     if schedules == ALL_VALID:
         base = config.load(path, overrides)
         found = all_valid_schedules(base)
@@ -168,15 +171,49 @@ def build_grid(
     seeds: list[int],
     schedules: Any = None,
     overrides: dict[str, Any] | list[str] | None = None,
+    configs: Sequence[str | Path] = (),
+    cooldown: dict[str, Any] | None = None,
 ) -> list[GridRun]:
-    """Every grid point (arm, scale, seed, schedule) of the project's presets: its preset, the overrides that
-    make it, its validated config."""
+    """Every grid point (arm, scale, seed, schedule) of the project's presets, or of ``configs`` (preset paths,
+    e.g. configs/wsds/tiny_prism.yaml, in place of arms x scales): its preset, the overrides that make it, its
+    validated config. ``cooldown`` ({from_steps, decay_tokens | decay_fraction, decay_shape}, what `prism
+    cooldown` is given) makes each point's cooldown branches at every step instead of the point itself."""
     for key, values in (("arms", arms), ("scales", scales), ("seeds", seeds)):
-        if not values:
+        if not values and not (configs and key != "seeds"):
             raise ConfigError(f"sweep: {key} is empty; give at least one value")
     base_overrides = config.override_list(overrides)
+    if configs:
+        presets = [(Path(p), config.load(p, base_overrides).run) for p in configs]
+        points = [(path, run.arm, run.scale) for path, run in presets]
+    else:
+        points = [(preset_path(arm, scale), arm, scale) for arm, scale in itertools.product(arms, scales)]
     grid = []
-    for arm, scale in itertools.product(arms, scales):
-        per_arm = expand_schedules(schedules, arm, scale, base_overrides)
-        grid += expand_grid([preset_path(arm, scale)], [int(s) for s in seeds], per_arm, base_overrides)
-    return grid
+    for path, arm, scale in points:
+        per_arm = expand_schedules(schedules, arm, scale, base_overrides, path)
+        grid += expand_grid([path], [int(s) for s in seeds], per_arm, base_overrides)
+    return expand_branches(grid, cooldown) if cooldown else grid
+
+
+def expand_branches(grid: list[GridRun], cooldown: dict[str, Any]) -> list[GridRun]:
+    """Each run's cooldown branches, one per step of cooldown["from_steps"] (in the run's order, then the
+    step's). A branch names no from_run_dir: its main run is the grid point's own folder (Config.main_run_dir)."""
+    from pipeline.cooldown import decay_tokens_of
+
+    branches = []
+    for run in grid:
+        for step in cooldown["from_steps"]:
+            if step >= run.cfg.steps(1)["total"]:
+                raise ConfigError(
+                    f"sweep: cooldown.from_steps: {run.name} ends at step {run.cfg.steps(1)['total']:,}, so a branch "
+                    f"at step {step:,} has nothing to branch from; give steps before it"
+                )
+            tokens = cooldown.get("decay_tokens") or decay_tokens_of(
+                step, cooldown["decay_fraction"], run.cfg.train.batch_tokens
+            )
+            shape = [f"cooldown.decay_shape={cooldown['decay_shape']}"] if cooldown.get("decay_shape") else []
+            ov = (*run.overrides, f"cooldown.from_step={step}", f"cooldown.decay_tokens={tokens}", *shape)
+            try:
+                branches.append(GridRun(run.config_path, ov, config.load(run.config_path, ov), run.schedule))
+            except ConfigError as e:
+                raise ConfigError(f"sweep: {run.name}'s branch at step {step}: {e}") from None
+    return branches
