@@ -224,14 +224,17 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def agreed(self, device: str, group: Any = None) -> bool:
-        """True on every rank when any rank received a signal (a collective: every rank calls it)."""
+    def agreed(self, device: str, group: Any = None, news: float = 0.0) -> tuple[bool, float]:
+        """(stop, news): stop is True on every rank when any rank received a signal; news is the largest
+        ``news`` any rank passed (a profile request, pipeline.profiling), carried by the same all-reduce so it
+        costs no collective of its own. A collective: every rank calls it."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        flag = torch.tensor([1.0 if self.received else 0.0, news], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        stop, value = flag.tolist()
+        return bool(stop), value
 
     def restore(self) -> None:
         for sig in STOP_SIGNALS:

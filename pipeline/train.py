@@ -357,11 +357,11 @@ def stop_agreement(stopper: StopSignal, device: str) -> Any:
     """A per-step check that all ranks agree to stop, without a device sync: on CUDA over a gloo group
     of CPU tensors (reading a CUDA flag would wait for the step's kernels)."""
     if device != "cuda":
-        return lambda: stopper.agreed(device)
+        return lambda news=0.0: stopper.agreed(device, news=news)
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
-    return lambda: stopper.agreed("cpu", group=group)
+    return lambda news=0.0: stopper.agreed("cpu", group=group, news=news)
 
 
 def log_step(
@@ -509,6 +509,7 @@ class Run:
     train_loss: float = float("nan")  # of the last sync step
     val_loss: float | None = None  # of the last validation
     evals: Any = None  # pipeline.eval.in_run.DownstreamEval when train.eval_every is set
+    profiler: Any = None  # pipeline.profiling.Profiler: traces on request or for train.profile_steps
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -571,6 +572,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     from megatron.core import parallel_state
 
     from pipeline.distributed import topology, topology_line
+    from pipeline.profiling import Profiler
     from pipeline.stragglers import RankClock
     from pipeline.tracking.system import other_node_metrics
 
@@ -605,6 +607,8 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     run.saver = Saver(engine, cfg, device)
     run.skipper, run.clock = state.skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
     run.evals = evals
+    run.profiler = Profiler(cfg, dist.get_rank(), device, tracker)
+    say_kernels(cfg, tracker, device)
     ranks = topology()  # a collective: every rank
     say(f"prism train: {topology_line(ranks)}")
     run_id = [state.run_id]  # rank 0's: the other nodes log their system metrics into the same run
@@ -713,6 +717,20 @@ def say_start(run: Run, resume: checkpoint.Resume, epochs: float, dp_size: int) 
         say(f"prism train: MLflow run {ui_url}")
 
 
+def say_kernels(cfg: Config, tracker: Any, device: str) -> None:
+    """The SDPA kernel each layer gets, asked of torch (pipeline.model.sdpa_backend): MLflow params, one
+    start-up line, and one warning line when a GPU layer falls back from flash/cuDNN."""
+    from pipeline.model import sdpa_backend
+
+    kernels = sdpa_backend.layer_kernels(cfg, device)
+    if not kernels:  # model.attention_backend=megatron: not SDPA
+        return
+    tracker.log_params(sdpa_backend.kernel_params(cfg, kernels))
+    say(f"prism train: {sdpa_backend.kernel_line(cfg, kernels, device)}")
+    if warning := sdpa_backend.fallback_warning(cfg, kernels, device):
+        say(f"prism train: warning: {warning}")
+
+
 def loop(run: Run) -> int:
     """Optimizer steps until the token budget is done, a stop signal or a non-finite loss; the exit code."""
     cfg, state, t = run.cfg, run.state, run.cfg.train
@@ -725,24 +743,16 @@ def loop(run: Run) -> int:
         faults.before_step(state.step + 1)  # PRISM_FAULT_* in recovery tests; nothing otherwise
         lr = schedule.at(state.step)
         fault = faults.loss_factor(state.step + 1)  # None unless a test sets PRISM_FAULT_LOSS
-        result = train_step(
-            run.engine,
-            run.optimizer,
-            run.loader,
-            lr,
-            run.grad_accum,
-            run.device,
-            run.skipper,
-            t.z_loss,
-            fault,
-            run.clock,
-        )
+        result = profiled_step(run, lr, fault)
         state.step += 1
+        run.profiler.step_done(state.step)  # the window's last step: traces written, the profiler stopped
         faults.log_batches(state.step, result.batches)  # PRISM_FAULT_BATCH_LOG in tests; nothing otherwise
         run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
-        stop = stop_check()
+        # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only
+        stop, news = stop_check(run.profiler.poll(step_actions(cfg, state.step, run.total_steps).sync))
+        run.profiler.agreed(news, state.step)
         actions = step_actions(cfg, state.step, run.total_steps, stop)
         if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
@@ -771,6 +781,33 @@ def loop(run: Run) -> int:
             )
             return EXIT_STOPPED
     return EXIT_FINISHED
+
+
+def profiled_step(run: Run, lr: float, fault: float | None) -> StepResult:
+    """train_step under the run's profiler (a no-op outside a profile window); a CUDA out-of-memory error
+    leaves this rank's allocator snapshot (pipeline.profiling) before it ends the run."""
+    import torch
+
+    from pipeline.profiling import dump_on_oom
+
+    step = run.state.step + 1
+    try:
+        with run.profiler.step(step):
+            return train_step(
+                run.engine,
+                run.optimizer,
+                run.loader,
+                lr,
+                run.grad_accum,
+                run.device,
+                run.skipper,
+                run.cfg.train.z_loss,
+                fault,
+                run.clock,
+            )
+    except torch.cuda.OutOfMemoryError:
+        dump_on_oom(run.cfg.run_dir, step, run.profiler.rank)
+        raise
 
 
 def loop_progress(run: Run) -> Progress:

@@ -21,6 +21,7 @@ from pipeline.cli import (
     model,
     plan,
     prepare,
+    profile,
     scaling,
     schedule,
     search,
@@ -40,6 +41,7 @@ VERB_MODULES = (
     plan,
     prepare,
     train,
+    profile,
     cooldown,
     tracking,
     compare,
@@ -87,6 +89,7 @@ EXAMPLES = {
     "plan": "prism plan configs/prism_757m.yaml --nodes 1 --gpus-per-node 8 --peak-tflops 989",
     "prepare": "prism prepare configs/tiny_prism.yaml --overwrite data.tasks=2",
     "train": "prism train configs/tiny_prism.yaml run.seed=2 train.train_tokens=81920",
+    "profile": "prism profile runs/prism-tiny-s1234 --steps 2",
     "tracking sync": "prism tracking sync runs/prism-tiny-s1234 --tracking-uri http://127.0.0.1:5000",
     "compare": "prism compare --experiment prism-tiny --tracking-uri sqlite:///runs/mlflow.db",
     "scaling": "prism scaling --experiment prism-ladder-w64 prism-ladder-w128 prism-ladder-w192 "

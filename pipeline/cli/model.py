@@ -17,16 +17,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.config import load
+    from pipeline.distributed import train_device
+    from pipeline.model import sdpa_backend
     from pipeline.model.report import count, format_report, neutrality_checks, uniform_twin
 
     start = time.perf_counter()
     cfg = load(args.config, args.overrides)
     twin = uniform_twin(cfg)
+    device = train_device(cfg)  # the kernels are torch's answer on this machine: run it where the job runs
+    kernels = [sdpa_backend.layer_kernels(c, device) for c in (cfg, twin)]  # a pinned one that can't run: exit 2
     ours, theirs = count(cfg), count(twin)
-    print(format_report(cfg, ours, "model"))
+    print(format_report(cfg, ours, "model", kernels[0]))
     print()
-    print(format_report(twin, theirs, "uniform twin"))
+    print(format_report(twin, theirs, "uniform twin", kernels[1]))
     print()
+    for c, k, name in ((cfg, kernels[0], "model"), (twin, kernels[1], "uniform twin")):
+        if k:
+            print(f"{name}: {sdpa_backend.kernel_line(c, k, device)}")
+            if warning := sdpa_backend.fallback_warning(c, k, device):
+                print(f"{name}: warning: {warning}")
     ok = True
     for name, (a, b) in neutrality_checks(cfg, ours, theirs).items():
         same = a == b

@@ -128,6 +128,10 @@ class TrainConfig:
     eval_every: int = 0
     eval_tasks: tuple[str, ...] = ()  # offline sets: hellaswag, piqa, winogrande, arc_easy; needed by eval_every
     eval_limit: int | None = None  # the first eval_limit examples of each task; None: the whole validation sets
+    # Trace steps [first, last] (1-based, inclusive) with the torch profiler: a gzipped Chrome trace per rank in
+    # <run dir>/profile/step-A-B/ (pipeline.profiling; a live run also takes requests: `prism profile`). []: none.
+    profile_steps: tuple[int, ...] = ()
+    profile_memory: bool = False  # with profile_steps: a CUDA memory snapshot of those steps beside the traces
 
 
 @dataclass(frozen=True)

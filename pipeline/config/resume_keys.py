@@ -44,6 +44,9 @@ EXECUTION_ONLY_KEYS = (
     "model.fusions",
     # what is measured besides training, not what is trained: a resume may add or drop a validation set
     "data.val_sets",
+    # what is recorded about the steps (traces), not what they compute
+    "train.profile_steps",
+    "train.profile_memory",
 )
 # The training recipe: keys that change the training trajectory (LR schedule, optimizer, numerics) but not
 # what a checkpoint holds: a resume refuses a change unless checkpoint.allow_changes names the key.

@@ -195,6 +195,7 @@ def check_combinations(cfg: Config) -> None:
     if cfg.run.arm == "uniform" and len(set(heads)) != 1:
         fail("run.arm", f"'uniform' needs a constant schedule, got {schedule.compact(heads)}")
     check_eval_tasks(cfg)
+    check_profile_steps(cfg)
     for key in cfg.checkpoint.allow_changes:
         if key not in RECIPE_KEYS:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
@@ -265,6 +266,18 @@ def check_eval_tasks(cfg: Config) -> None:
         raise ConfigError(
             f"{cfg.source}: train.eval_every: {t.eval_every} with no train.eval_tasks; list tasks, e.g. "
             f"train.eval_tasks=[{','.join(OFFLINE_TASKS)}], or set train.eval_every=0"
+        )
+
+
+def check_profile_steps(cfg: Config) -> None:
+    """train.profile_steps: [] or [first, last] with 1 <= first <= last <= the run's last step."""
+    steps, total = cfg.train.profile_steps, cfg.steps(1)["total"]
+    if not steps:
+        return
+    if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1] <= total:
+        raise ConfigError(
+            f"{cfg.source}: train.profile_steps: {list(steps)} is not [first, last] with 1 <= first <= last <= "
+            f"{total} (the run's steps); e.g. train.profile_steps=[10,11], or [] for none"
         )
 
 

@@ -57,14 +57,17 @@ def count(cfg: Config) -> ModelCount:
     )
 
 
-def format_report(cfg: Config, c: ModelCount, title: str) -> str:
+def format_report(cfg: Config, c: ModelCount, title: str, kernels: list[str] | None = None) -> str:
+    """``kernels``: the SDPA kernel of each layer on this machine (pipeline.model.sdpa_backend.layer_kernels)."""
     d = cfg.model.d_model
+    kernels = kernels or [""] * len(c.heads)
     rows = [
         f"{title}: {cfg.run.arm} {cfg.run.scale}, schedule {schedule.compact(c.heads)}",
-        f"{'layer':>5} {'heads':>5} {'d_h':>4} {'params':>12} {'fwd FLOPs/token':>16}",
+        f"{'layer':>5} {'heads':>5} {'d_h':>4} {'params':>12} {'fwd FLOPs/token':>16}  "
+        + ("SDPA kernel" if any(kernels) else ""),
     ]
-    for i, (h, p, f) in enumerate(zip(c.heads, c.layer_params, c.layer_flops)):
-        rows.append(f"{i + 1:>5} {h:>5} {d // h:>4} {p:>12,} {f:>16,}")
+    for i, (h, p, f, k) in enumerate(zip(c.heads, c.layer_params, c.layer_flops, kernels)):
+        rows.append(f"{i + 1:>5} {h:>5} {d // h:>4} {p:>12,} {f:>16,}  {k}".rstrip())
     rows += [
         f"{'embedding (tied output)' if cfg.model.tie_embeddings else 'embedding':<28} {c.embedding_params:>12,}",
         f"{'final norm / output layer':<28} {c.other_params:>12,}",

@@ -60,27 +60,90 @@ def runs(backend, head_dim: int, dtype: torch.dtype, device: str) -> bool:
     return True
 
 
-def check_and_log(cfg: Config, device: str) -> dict[int, str]:
-    """{head_dim: kernel} for the plan's distinct head dims; one ConfigError line if a pinned kernel cannot run."""
+def kernels_by_head_dim(cfg: Config, device: str) -> dict[int, str]:
+    """{head_dim: kernel} for the plan's distinct head dims, asked of torch on ``device`` at the training dtype;
+    one ConfigError line if a pinned kernel cannot run one of them. {} for megatron's own attention."""
     name = cfg.model.attention_backend
     if name == "megatron":
         return {}
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    dims = sorted({layer.head_dim for layer in cfg.layer_plan})
     pinned = pinned_backend(cfg)
     kernels = {}
-    for d in dims:
+    for d in sorted({layer.head_dim for layer in cfg.layer_plan}):
         if pinned is not None and not runs(pinned, d, dtype, device):
             raise ConfigError(
                 f"{cfg.source}: model.attention_backend: {name} attention cannot run on {device} "
                 f"({cfg.train.precision}, head dim {d}); use sdpa (torch chooses) or math"
             )
         kernels[d] = pinned.name if pinned is not None else chosen_kernel(d, dtype, device)
+    return kernels
+
+
+def layer_kernels(cfg: Config, device: str) -> list[str]:
+    """The kernel each layer's attention gets, in layer order (kernels_by_head_dim's answer per layer)."""
+    by_dim = kernels_by_head_dim(cfg, device)
+    return [by_dim[layer.head_dim] for layer in cfg.layer_plan] if by_dim else []
+
+
+def check_and_log(cfg: Config, device: str) -> dict[int, str]:
+    """kernels_by_head_dim, logged: what build_model calls, so a pinned kernel that cannot run stops the build."""
+    kernels = kernels_by_head_dim(cfg, device)
+    if not kernels:
+        return {}
     where = f"{device}" + (" (CPU: torch's CPU kernels, no GPU attention)" if device == "cpu" else "")
     log.info(
         "attention: SDPA kernel per head dim on %s, %s: %s",
         where,
-        "pinned" if pinned is not None else "torch's choice",
+        "pinned" if pinned_backend(cfg) is not None else "torch's choice",
         ", ".join(f"d_h {d} -> {k}" for d, k in kernels.items()),
     )
     return kernels
+
+
+# Kernels that are the fast path on a GPU; anything else there is a fallback worth a warning.
+FAST_ON_GPU = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+
+
+def _layer_spans(cfg: Config, kernels: list[str]) -> list[tuple[int, int, int, str]]:
+    """Runs of consecutive layers with the same head dim and kernel: (first, last, head_dim, kernel), 1-based."""
+    spans: list[tuple[int, int, int, str]] = []
+    for i, (layer, k) in enumerate(zip(cfg.layer_plan, kernels), start=1):
+        if spans and spans[-1][2:] == (layer.head_dim, k) and spans[-1][1] == i - 1:
+            spans[-1] = (spans[-1][0], i, layer.head_dim, k)
+        else:
+            spans.append((i, i, layer.head_dim, k))
+    return spans
+
+
+def _layers(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def kernel_line(cfg: Config, kernels: list[str], device: str) -> str:
+    """One line: which kernel each layer gets, e.g. "attention on cuda bf16 (torch's choice): layers 1-2 d_h 256
+    FLASH_ATTENTION, ...". On CPU torch's FLASH_ATTENTION is its CPU kernel, not FlashAttention-2."""
+    how = "pinned" if pinned_backend(cfg) is not None else "torch's choice"
+    spans = ", ".join(f"{_layers(a, b)} d_h {d} {k}" for a, b, d, k in _layer_spans(cfg, kernels))
+    return f"attention on {device} {cfg.train.precision} ({how}): {spans}"
+
+
+def fallback_warning(cfg: Config, kernels: list[str], device: str) -> str | None:
+    """On a GPU, the layers whose attention is neither flash nor cuDNN, in one line; None when there are none."""
+    if device != "cuda":
+        return None
+    slow = [(a, b, d, k) for a, b, d, k in _layer_spans(cfg, kernels) if k not in FAST_ON_GPU]
+    if not slow:
+        return None
+    spans = ", ".join(f"{_layers(a, b)} (d_h {d}) {k}" for a, b, d, k in slow)
+    return (
+        f"attention falls back from flash/cuDNN in {spans}: expect these layers to be slower "
+        "(FlashAttention-2 takes head dims up to 256, multiples of 8; see docs/performance.md)"
+    )
+
+
+def kernel_params(cfg: Config, kernels: list[str]) -> dict[str, str]:
+    """MLflow params: the kernel per distinct head dim and the layers that fall back on a GPU."""
+    by_dim = {layer.head_dim: k for layer, k in zip(cfg.layer_plan, kernels)}
+    params = {f"attention/kernel_dh{d}": k for d, k in sorted(by_dim.items())}
+    params["attention/kernel_layers"] = ",".join(kernels)
+    return params
