@@ -1,0 +1,116 @@
+"""pipeline.profiling's request file and train.profile_steps, and the SDPA kernel report
+(pipeline.model.sdpa_backend): the kernel it names is the one that runs, a pinned kernel that cannot run a
+layer's head dim is refused in one line, a GPU fallback is one warning line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline import config, distributed, profiling
+from pipeline.config import ConfigError
+from pipeline.model import sdpa_backend
+
+TINY = "configs/tiny_prism.yaml"
+# the aten op each SDPBackend runs as, in a profile
+OPS = {
+    "FLASH_ATTENTION": "flash_attention",
+    "MATH": "_scaled_dot_product_attention_math",
+    "EFFICIENT_ATTENTION": "efficient_attention",
+    "CUDNN_ATTENTION": "cudnn_attention",
+}
+
+
+def load(*overrides):
+    return config.load(TINY, ["model.seq_len=16", *overrides])
+
+
+def test_a_request_round_trips_and_a_bad_one_is_set_aside(tmp_path, capsys):
+    assert profiling.read_request(tmp_path) is None
+    profiling.write_request(tmp_path, 3, memory=True)
+    assert profiling.read_request(tmp_path) == (3, True)
+    assert profiling.decode(profiling.encode(3, True)) == (3, True) and profiling.encode(0, False) == 0.0
+    profiling.request_path(tmp_path).write_text(json.dumps({"steps": 0}))
+    assert profiling.read_request(tmp_path) is None
+    assert not profiling.request_path(tmp_path).exists()  # not read again at every sync step
+    assert (tmp_path / "profile" / "request.rejected.json").exists()
+    out = capsys.readouterr().out.strip()
+    assert "is not a profile request" in out and "\n" not in out
+
+
+@pytest.mark.parametrize("steps", ["[0,2]", "[3,2]", "[1,2,3]", "[5,100000]"])
+def test_profile_steps_out_of_range_are_one_line(steps):
+    with pytest.raises(ConfigError) as err:
+        load(f"train.profile_steps={steps}")
+    assert "train.profile_steps:" in str(err.value) and "\n" not in str(err.value)
+
+
+def ops_run(cfg) -> set[str]:
+    from pipeline.model import build_model
+
+    distributed.init_model_parallel(1, cfg.run.seed)
+    model = build_model(cfg)
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(tokens, None, None).float().sum().backward()
+    return {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention" in e.key}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_the_kernel_report_names_the_kernel_each_layer_runs(backend):
+    cfg = load(f"model.attention_backend={backend}")
+    kernels = sdpa_backend.layer_kernels(cfg, "cpu")
+    assert len(kernels) == cfg.model.num_layers
+    if backend == "math":
+        assert set(kernels) == {"MATH"}
+    ran = ops_run(cfg)
+    assert all(any(OPS[k] in op for op in ran) for k in set(kernels)), (kernels, ran)
+    others = set(OPS) - set(kernels)
+    assert not any(OPS[k] in op for k in others for op in ran), ran
+    line = sdpa_backend.kernel_line(cfg, kernels, "cpu")
+    assert "\n" not in line and f"layers 1-2 d_h 64 {kernels[0]}" in line
+    assert sdpa_backend.fallback_warning(cfg, kernels, "cpu") is None  # CPU has no fast GPU path to miss
+
+
+def test_a_gpu_fallback_is_one_warning_line_naming_its_layers():
+    cfg = load()
+    kernels = ["EFFICIENT_ATTENTION"] * 2 + ["FLASH_ATTENTION"] * 6
+    warning = sdpa_backend.fallback_warning(cfg, kernels, "cuda")
+    assert "\n" not in warning and "layers 1-2 (d_h 64) EFFICIENT_ATTENTION" in warning and "layers 3" not in warning
+    assert sdpa_backend.fallback_warning(cfg, ["FLASH_ATTENTION"] * 8, "cuda") is None
+    params = sdpa_backend.kernel_params(cfg, kernels)
+    assert params["attention/kernel_dh64"] == "EFFICIENT_ATTENTION" and params["attention/kernel_dh16"] == (
+        "FLASH_ATTENTION"
+    )
+
+
+WIDE = ["model.d_model=768", "model.h_base=12", "model.ffn_hidden_size=2048", "schedule.heads=2x2,12x6"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention-2's head-dim limit is a CUDA kernel's")
+def test_pinned_flash_with_head_dim_384_is_refused_on_a_gpu():
+    with pytest.raises(ConfigError) as err:
+        sdpa_backend.layer_kernels(load(*WIDE, "model.attention_backend=flash", "train.precision=bf16"), "cuda")
+    assert "\n" not in str(err.value) and "flash attention cannot run on cuda (bf16, head dim 384)" in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.memory snapshots need a CUDA allocator")
+def test_a_cuda_memory_snapshot_is_written_whole(tmp_path):
+    import pickle
+
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    x = torch.ones(1024, 1024, device="cuda")
+    path = profiling.dump_snapshot(tmp_path / "rank-0.memory.pickle", stop_history=True)
+    snapshot = pickle.loads(path.read_bytes())
+    assert snapshot["segments"] and any(snapshot["device_traces"])  # the blocks, and the history recorded
+    del x
+
+
+def test_model_report_refuses_a_pinned_kernel_this_machine_cannot_run(capsys):
+    from pipeline.cli import main
+
+    assert main(["model", "report", TINY, "model.attention_backend=efficient"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "efficient attention cannot run on cpu" in err and "\n" not in err
