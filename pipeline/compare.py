@@ -532,7 +532,7 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
     table += paired_text
     from pipeline.verdict import annealed  # cooldown branches: annealed loss at each budget
 
-    annealed_text, annealed_paths = annealed.section(branches, runs, out, _save, arm_difference)
+    annealed_text, annealed_paths = annealed.section(branches, runs, out, _save, arm_difference, tracking_uri)
     table += annealed_text
     texts = {"comparison.md": table, "comparison.csv": to_csv(rows)}
     if accuracy:

@@ -104,6 +104,13 @@ def schedule_of(cfg: Config) -> LRSchedule:
     )
 
 
+def ends_annealed(cfg: Config, step: int) -> bool:
+    """Whether a point at ``step`` (1-based, steps done) is annealed: the run's schedule ends there, its LR decayed
+    to train.min_lr. One rule for every schedule: a cooldown branch's last step (its decay), a WSD main run's
+    (its own decay) and a cosine main run's (cosine ends at min_lr too); any earlier step is not annealed."""
+    return step >= cfg.steps(1)["total"]
+
+
 def describe(cfg: Config) -> str:
     """One line naming the schedule, for `prism plan` and the trainer's start line."""
     t, s = cfg.train, schedule_of(cfg)

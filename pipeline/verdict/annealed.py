@@ -1,6 +1,9 @@
 """Annealed points in the comparison (issue #40): each cooldown branch's final validation loss is one point at
 (scale, arm, schedule, tokens). A cosine run's earlier checkpoints sit at a high learning rate; a branch
 decayed to min_lr is what a run of that length reaches, so the arms are compared at each budget annealed.
+A main run's own final point is annealed too (its WSD decay, or cosine's end at min_lr: scaling.
+final_point_annealed decides, for the scaling fit as here): beside its branches it is the point at its full
+tokens, labelled "main run's own decay".
 
 Per (scale, tokens): the annealed val loss of each arm (mean ± std over seeds) and Δ Prism − uniform with its
 95 % interval and p, paired by seed where both arms ran the same seeds on the same data order, Welch otherwise
@@ -33,8 +36,28 @@ def end_tokens(run: RunSeries) -> float:
     return run.val[-1][1] if run.val else math.nan
 
 
+MAIN_RUN = "main run's own decay"  # the from-step cell of a main run's final point
+
+
+def source(run: RunSeries) -> str:
+    """Where an annealed point comes from: the branch's step in its main run, or the main run's own decay."""
+    return MAIN_RUN if run.branch_step is None else str(run.branch_step)
+
+
+def main_run_ends(main_runs: list[RunSeries], tracking_uri: str) -> list[RunSeries]:
+    """The finished main runs whose final point is annealed (scaling.final_point_annealed, on the config each
+    run logged)."""
+    from pipeline.tracking import store
+    from pipeline.verdict.scaling import final_point_annealed, run_config
+
+    client = store.client(tracking_uri)
+    done = [r for r in main_runs if r.status == "FINISHED" and r.val]
+    return [r for r in done if final_point_annealed(r, run_config(client, r.run_id))]
+
+
 def summarize(branches: list[RunSeries], arm_difference: Difference) -> list[dict[str, Any]]:
-    """One row per (scale, tokens, arm, schedule) of the branches, Prism rows with Δ against uniform."""
+    """One row per (scale, tokens, arm, schedule) of the annealed points (branches, and main runs' own ends),
+    Prism rows with Δ against uniform."""
     rows: list[dict[str, Any]] = []
     measured = [r for r in branches if r.val]
     for scale, tokens in sorted({(r.scale, end_tokens(r)) for r in measured}):
@@ -50,7 +73,7 @@ def summarize(branches: list[RunSeries], arm_difference: Difference) -> list[dic
                     "tokens": int(tokens),
                     "arm": arm,
                     "schedule": schedule,
-                    "branch_steps": ",".join(sorted({str(r.branch_step) for r in group})),
+                    "branch_steps": ",".join(sorted({source(r) for r in group})),
                     "seeds": ",".join(r.seed for r in group),
                     "annealed_val_loss_mean": mean,
                     "annealed_val_loss_std": std,
@@ -80,7 +103,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "### Annealed points (cooldown branches)",
         "",
-        "Each branch's final val loss after its decay to min_lr, at the tokens it ended on.",
+        "Each branch's final val loss after its decay to min_lr, at the tokens it ended on; each main run's own "
+        "final point (its decay's end) at its full tokens.",
         "",
         "| scale | tokens | arm | schedule | from step | seeds | annealed val loss (mean ± std) "
         "| Δ Prism − uniform [95 % CI] | p (test) |",
@@ -141,9 +165,12 @@ def section(
     out_dir: Path,
     save: Callable[[Any, Path], Path],
     arm_difference: Difference,
+    tracking_uri: str,
 ) -> tuple[str, list[Path]]:
-    """The comparison's annealed section and its plots; nothing without finished branches."""
-    rows = summarize([r for r in branches if r.status == "FINISHED"], arm_difference)
-    if not rows:
+    """The comparison's annealed section and its plots: the finished branches and the main runs' own annealed
+    ends; nothing without finished branches (a lone main run's end is the main table's final loss)."""
+    finished = [r for r in branches if r.status == "FINISHED"]
+    if not any(r.val for r in finished):
         return "", []
+    rows = summarize(finished + main_run_ends(main_runs, tracking_uri), arm_difference)
     return markdown(rows), plot(rows, main_runs, out_dir, save)

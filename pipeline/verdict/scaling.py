@@ -5,7 +5,9 @@ holds several scales (compare_section).
 One point per finished training run (compare.RunSeries, read by compare): arm, seed, the parameter count N of
 the config the run logged (pipeline.model_size, never typed by hand), tokens trained D, final validation loss
 (val/loss) and tokens/s (compare's throughput). A cooldown branch of a WSD run (`prism cooldown`;
-RunSeries.branch_step set) is one more annealed point at its own D. verdict.fits owns the fits and intervals:
+RunSeries.branch_step set) is one more annealed point at its own D. Every point is annealed
+(final_point_annealed: its last validation at its schedule's end, a main run's of either schedule or a branch's);
+a run whose last validation came before that is left out. verdict.fits owns the fits and intervals:
 L(N) per arm at the study's tokens per parameter when each size has one D, L(N, D) when branches add others;
 the gap, the compute multiplier k and k adjusted by tokens/s, each with a bootstrap interval over seeds. This
 module checks the points before any fit (data, arms, counts), then writes the table, CSVs and plot.
@@ -28,6 +30,7 @@ import yaml
 from pipeline import statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import Config, ConfigError, from_dict
+from pipeline.lr_schedule import ends_annealed
 from pipeline.model_size import parameter_count
 from pipeline.tracking import store
 from pipeline.verdict import fits
@@ -90,8 +93,17 @@ def same_data(runs: list[tuple[RunSeries, Config]]) -> None:
                 )
 
 
+def final_point_annealed(run: RunSeries, cfg: Config) -> bool:
+    """Whether ``run``'s final validation (under its logged ``cfg``) is an annealed point: taken at its schedule's
+    end (lr_schedule.ends_annealed), as a finished main run's or cooldown branch's is. compare's annealed table
+    and the scaling points read this."""
+    return bool(run.val) and ends_annealed(cfg, run.val[-1][0])
+
+
 def make_points(runs: list[tuple[RunSeries, Config, bool]]) -> list[Point]:
-    """(run, its logged config, whether it is a cooldown branch) -> points, after ``same_data``."""
+    """(run, its logged config, whether it is a cooldown branch) -> points, after ``same_data``; only annealed
+    final points (final_point_annealed) are points."""
+    runs = [(r, cfg, branch) for r, cfg, branch in runs if final_point_annealed(r, cfg)]
     if runs:
         same_data([(r, cfg) for r, cfg, _ in runs])
     return [

@@ -53,7 +53,28 @@ def test_the_table_names_each_budget_and_an_unfinished_branch_is_left_out(tmp_pa
     assert "| tiny | 81,920 | prism | 3x2,6x2,12x4 | 36 | 2 | 5.0300 ± 0.0424 |" in text
     assert "| tiny | 163,840 | uniform | 12x8 | 72 | 1 | 4.8000 ± n/a |" in text
     running = branch("prism", 3, 144, 327680, 4.5, status="RUNNING")
-    assert annealed.section([running], [], tmp_path, lambda fig, path: path, arm_difference) == (
+    unused = "sqlite:///nowhere.db"  # no finished branch: the main runs' configs are never read
+    assert annealed.section([running], [], tmp_path, lambda fig, path: path, arm_difference, unused) == (
         "",
         [],
     )  # no plot either
+
+
+def test_a_main_runs_own_decay_is_an_annealed_point_at_its_full_tokens():
+    """Beside its branches, each main run's final point (annealed by its own decay) is a row at its full tokens,
+    labelled as the main run's, with Δ paired by seed like the branches'."""
+    mains = []
+    for arm, seed, loss in (("uniform", 1, 4.50), ("uniform", 2, 4.56), ("prism", 1, 4.40), ("prism", 2, 4.48)):
+        run = branch(arm, seed, 0, 655360, loss)
+        run.branch_step = None  # a main run: compare.load_runs leaves its branch_step unset
+        mains.append(run)
+    rows = annealed.summarize(BRANCHES + mains, arm_difference)
+    ends = [r for r in rows if r["tokens"] == 655360]
+    assert [(r["arm"], r["branch_steps"], r["seeds"]) for r in ends] == [
+        ("uniform", annealed.MAIN_RUN, "1,2"),
+        ("prism", annealed.MAIN_RUN, "1,2"),
+    ]
+    assert ends[1]["delta_test"] == "paired" and ends[1]["delta_vs_uniform"] == pytest.approx(-0.09)
+    assert len(rows) == 6 and all(r["branch_steps"] != annealed.MAIN_RUN for r in rows[:4])
+    text = annealed.markdown(rows)
+    assert "| tiny | 655,360 | prism | 3x2,6x2,12x4 | main run's own decay | 2 | 4.4400 ± 0.0566 |" in text

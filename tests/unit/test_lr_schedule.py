@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import config
 from pipeline.config import ConfigError
-from pipeline.lr_schedule import lr_at, schedule_of
+from pipeline.lr_schedule import ends_annealed, lr_at, schedule_of
 
 LR, MIN_LR = 6e-4, 6e-5
 TOTAL, WARMUP, DECAY = 10_000, 250, 1_000
@@ -84,6 +84,16 @@ def test_a_branch_of_a_cosine_run_starts_at_the_cosine_lr() -> None:
     s = schedule_of(branch)
     assert s.at(199) == cosine_before_wsd(199, 384, 10, 2e-3, 2e-4)  # main schedule before the branch
     assert s.at(200) == pytest.approx(branch.train.min_lr)  # one decay step: straight to min_lr
+
+
+def test_a_point_is_annealed_at_its_schedules_end_whatever_the_schedule() -> None:
+    """ends_annealed, the rule compare's annealed table and the scaling points read: the last step of a cosine
+    main run (its LR there is within one step of min_lr), of a WSD main run (its own decay) and of a branch."""
+    branch = tiny("train.lr_schedule=wsd", "cooldown.from_step=100", "cooldown.decay_tokens=40960")
+    for cfg, end in ((tiny(), 384), (tiny("train.lr_schedule=wsd"), 384), (branch, 120)):
+        assert [ends_annealed(cfg, step) for step in (end - 1, end)] == [False, True]
+        s = schedule_of(cfg)
+        assert s.at(end - 1) == pytest.approx(cfg.train.min_lr, rel=1e-3) and s.at(end - 1) < s.at(end - 2)
 
 
 @pytest.mark.parametrize(

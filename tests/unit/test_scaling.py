@@ -21,7 +21,9 @@ def ladder(arm: str, width: int, *overrides: str) -> config.Config:
     return config.load(ROOT / f"configs/ladder/{arm}_w{width}.yaml", list(overrides))
 
 
-def series(cfg: config.Config, seed: int, loss: float, tokens: float = 4096.0) -> RunSeries:
+def series(cfg: config.Config, seed: int, loss: float, tokens: float = 4096.0, last: int | None = None) -> RunSeries:
+    """A finished run whose last validation is at step ``last`` (default its schedule's end: an annealed point)."""
+    last = cfg.steps(1)["total"] if last is None else last
     return RunSeries(
         f"id-{cfg.run_name}-{seed}",
         f"{cfg.run.arm}-{cfg.run.scale}-s{seed}",
@@ -29,7 +31,7 @@ def series(cfg: config.Config, seed: int, loss: float, tokens: float = 4096.0) -
         cfg.run.scale,
         str(seed),
         "FINISHED",
-        [(1, tokens / 2, loss + 1.0), (2, tokens, loss)],
+        [(last - 1, tokens / 2, loss + 1.0), (last, tokens, loss)],
         1000.0,
     )
 
@@ -44,6 +46,26 @@ def test_each_point_has_the_parameter_count_of_its_logged_config():
     assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]  # both arms of a width: one N (Prism is neutral)
     assert (points[-1].branch, points[-1].D, points[-1].loss) == (True, 8192.0, 5.5)
     assert all(not m["arm"] == "prism" or m["tokens"] == 4096.0 for m in scaling.measured(points))  # no branch
+
+
+def test_only_a_final_point_at_the_schedules_end_is_a_point():
+    """final_point_annealed, the one rule: a main run of either schedule, or a branch, whose last validation is
+    at its schedule's end is annealed; a finished run whose last validation came earlier is left out."""
+    cosine = ladder("uniform", 64)
+    wsd = ladder("prism", 64, "train.lr_schedule=wsd")
+    total = cosine.steps(1)["total"]
+    branch = ladder(
+        "prism", 64, "train.lr_schedule=wsd", f"cooldown.from_step={total // 2}", "cooldown.decay_tokens=4096"
+    )
+    early = series(wsd, 2, 5.9, last=total - 1)
+    assert [scaling.final_point_annealed(series(c, 1, 6.0), c) for c in (cosine, wsd, branch)] == [True] * 3
+    end = branch.steps(1)["total"]  # a branch ends at its own decay's end, before its main run's
+    assert end < total and not scaling.final_point_annealed(series(branch, 1, 6.0, last=end - 1), branch)
+    assert not scaling.final_point_annealed(early, wsd)
+    points = scaling.make_points(
+        [(series(cosine, 1, 6.0), cosine, False), (early, wsd, False), (series(wsd, 1, 5.8), wsd, False)]
+    )
+    assert [(p.arm, p.seed) for p in points] == [("uniform", "1"), ("prism", "1")]
 
 
 @pytest.mark.parametrize(
