@@ -196,7 +196,8 @@ def build_grid(
 
 def expand_branches(grid: list[GridRun], cooldown: dict[str, Any]) -> list[GridRun]:
     """Each run's cooldown branches, one per step of cooldown["from_steps"] (in the run's order, then the
-    step's). A branch names no from_run_dir: its main run is the grid point's own folder (Config.main_run_dir)."""
+    step's). A branch's main run is the grid point's own folder, named in cooldown.from_run_dir as `prism
+    cooldown` names it: the branch's identity and resume policy read that key, so both write the same branch."""
     from pipeline.cooldown import decay_tokens_of
 
     branches = []
@@ -211,7 +212,8 @@ def expand_branches(grid: list[GridRun], cooldown: dict[str, Any]) -> list[GridR
                 step, cooldown["decay_fraction"], run.cfg.train.batch_tokens
             )
             shape = [f"cooldown.decay_shape={cooldown['decay_shape']}"] if cooldown.get("decay_shape") else []
-            ov = (*run.overrides, f"cooldown.from_step={step}", f"cooldown.decay_tokens={tokens}", *shape)
+            branch = [f"cooldown.from_run_dir={run.cfg.main_run_dir}", f"cooldown.from_step={step}"]
+            ov = (*run.overrides, *branch, f"cooldown.decay_tokens={tokens}", *shape)
             try:
                 branches.append(GridRun(run.config_path, ov, config.load(run.config_path, ov), run.schedule))
             except ConfigError as e:

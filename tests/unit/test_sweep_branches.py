@@ -36,7 +36,8 @@ def test_a_cooldown_section_gives_one_branch_per_arm_seed_and_step(tmp_path):
         assert r.cfg.is_branch and r.name == f"{r.cfg.run.arm}-tiny-s{r.cfg.run.seed}-cooldown-{c.from_step}"
         # the WSD-S rule: the decay is 10 % of the branch's length, 4/8/16 steps at 36/72/144
         assert c.decay_tokens == c.from_step // 9 * per_step
-        assert r.cfg.main_run_dir == tmp_path / f"{r.cfg.run.arm}-tiny-s{r.cfg.run.seed}"  # its grid point's
+        main = tmp_path / f"{r.cfg.run.arm}-tiny-s{r.cfg.run.seed}"  # its grid point's, named as prism cooldown does
+        assert r.cfg.main_run_dir == main and c.from_run_dir == str(main)
     assert len({r.run_dir for r in runs}) == 12
     assert "-> prism-tiny-s1-cooldown-144 (decays 16 steps)" in sweep.grid_table(runs)
     fixed = grid(tmp_path, f"{TINY_ARMS}seeds: [1]\ncooldown: {{from_steps: [36], decay_tokens: 4096}}\n")
