@@ -1,5 +1,5 @@
 """Both arms through the real trainer path: tokens/s, Prism/uniform ratio, MFU, peak memory, SDPA kernels,
-and a torch-profiler split of step time.
+a torch-profiler split of step time, and each layer's forward and backward time (a table, both arms).
 
     python benchmarks/bench_arms.py                                  # tiny presets on CPU, 6 steps per arm
     python benchmarks/bench_arms.py --scale 124m --steps 40          # GPU: bf16, the preset's batch
@@ -13,6 +13,9 @@ from the trainer's metrics.jsonl (perf/tokens_per_sec, perf/mfu, perf/mfu_causal
 chosen per head dim, pipeline.model.sdpa_backend); nothing is recomputed here. The last --profile-steps
 training steps run under torch.profiler (self time per op: device kernels on CUDA, CPU ops on CPU) and are
 left out of tokens/s (with the profiler's own warm-up step before them), as are the first --warmup steps.
+Each transformer layer's forward and backward run inside named profiler ranges (pipeline.profiling.label_layers,
+the ranges the trainer's own traces have): their time per step, wall time on CPU and the kernels launched in
+them on CUDA, is the per-layer table, so a Prism slowdown shows in the layers that cause it.
 
 Output: one line per field (`arm <name> <field> <value>`), a `ratio` line and a final `BENCH_ARMS {json}`
 line with everything (also written to --json). MFU needs a known peak: on CPU pass --peak-flops (nominal).
@@ -106,15 +109,19 @@ def profile_worker(profile_out: str, profile_steps: int, total_steps: int, argv:
 
     import pipeline.train as trainer
     from pipeline.cli import main
+    from pipeline.profiling import label_layers, layer_times
 
     cuda = torch.cuda.is_available() and "train.device=cpu" not in argv
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     wait = max(0, total_steps - profile_steps - 1)
     prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=1, active=profile_steps, repeat=1))
     plain_step = trainer.train_step
+    labels: list = []
 
-    def profiled_step(*args, **kwargs):
-        result = plain_step(*args, **kwargs)
+    def profiled_step(engine, *args, **kwargs):
+        if not labels:  # named ranges per layer (pipeline.profiling), as the trainer's own traces have
+            labels.extend(label_layers(engine.module))
+        result = plain_step(engine, *args, **kwargs)
         prof.step()
         return result
 
@@ -135,7 +142,12 @@ def profile_worker(profile_out: str, profile_steps: int, total_steps: int, argv:
             if cuda and us <= 0:
                 continue
             split[op_kind(event.key)] += us / 1e3
-        Path(profile_out).write_text(json.dumps({"ms": split, "on": "cuda kernels" if cuda else "cpu ops"}))
+        layers = {
+            i: {k: v / profile_steps for k, v in t.items()}
+            for i, t in layer_times(prof, "cuda" if cuda else "cpu").items()
+        }
+        on = "cuda kernels" if cuda else "cpu ops"
+        Path(profile_out).write_text(json.dumps({"ms": split, "on": on, "layer_ms_per_step": layers}))
     return code
 
 
@@ -182,7 +194,25 @@ def run_arm(args, config_path: str, overrides: list[str], workdir: Path) -> dict
         "profile_on": profile["on"],
         "profile_ms": {k: round(v, 3) for k, v in profile["ms"].items()},
         "profile_share": {k: round(v / total, 4) for k, v in profile["ms"].items()},
+        "layer_ms_per_step": {int(i): t for i, t in profile["layer_ms_per_step"].items()},
     }
+
+
+def layer_table(result: dict) -> str:
+    """Forward and backward ms per step of each layer, both arms side by side, with Prism's d_h and the ratio."""
+    uni, pri = result["arms"]["uniform"], result["arms"]["prism"]
+    d_model = result["d_model"]
+    rows = [
+        "| layer | prism d_h | uniform fwd ms | prism fwd ms | uniform bwd ms | prism bwd ms | prism/uniform fwd+bwd |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, h in enumerate(pri["heads_per_layer"], start=1):
+        u, p = uni["layer_ms_per_step"].get(i, {}), pri["layer_ms_per_step"].get(i, {})
+        su, sp = u.get("forward", 0) + u.get("backward", 0), p.get("forward", 0) + p.get("backward", 0)
+        cells = [u.get("forward", 0), p.get("forward", 0), u.get("backward", 0), p.get("backward", 0)]
+        ratio = f"{sp / su:.3f}" if su else "n/a"
+        rows.append(f"| {i} | {d_model // h} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {ratio} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -258,6 +288,7 @@ def main() -> None:
         "steps": args.steps,
         "batch_tokens": batch_tokens,
         "seq_len": probe.model.seq_len,
+        "d_model": probe.model.d_model,
         "arms": {},
     }
     say(
@@ -294,6 +325,8 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f} ms ({100 * r['profile_share'][k]:.0f}%)" for k, v in r["profile_ms"].items())
         )
     print(f"ratio prism/uniform tokens_per_sec {result['ratio_prism_over_uniform_tokens_per_sec']:.3f}")
+    print(f"per-layer time per step under the profiler ({uni['profile_on']}; {args.profile_steps} steps):")
+    print(layer_table(result))
     report("bench_arms", result)
     print("BENCH_ARMS " + json.dumps(result))  # last: gpu_bench.sh and the integration test read it
     if args.json:

@@ -82,6 +82,36 @@ def trainer_step_times(cfg) -> list[float]:
     return [r["perf/step_time"] for r in rows if "perf/step_time" in r]  # not the data/* row of a start
 
 
+def profile_check_seconds(cfg, reps: int = 20_000) -> dict[str, float]:
+    """What the loop pays per step for on-demand traces while none is asked for (pipeline.profiling): the
+    sync-step rule, rank 0's look for request.json at sync steps, the no-op step context, and the second value
+    the stop agreement's all-reduce now carries (timed against the one-value all-reduce it replaced)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.profiling import Profiler
+    from pipeline.tracking import NullTracker
+    from pipeline.train import step_actions
+
+    prof, total = Profiler(cfg, 0, "cpu", NullTracker()), cfg.steps(1)["total"]
+    start = time.perf_counter()
+    for i in range(reps):
+        step = i % total + 1
+        prof.agreed(prof.poll(step_actions(cfg, step, total).sync), step, total)
+        with prof.step(step):
+            pass
+        prof.step_done(step)
+    check = (time.perf_counter() - start) / reps
+    reduce_s = {}
+    for n in (1, 2):
+        flag = torch.zeros(n)
+        start = time.perf_counter()
+        for _ in range(reps // 10):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        reduce_s[n] = (time.perf_counter() - start) / (reps // 10)
+    return {"check": check, "second_value": reduce_s[2] - reduce_s[1]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", default=str(ROOT / "configs" / "tiny_prism.yaml"))
@@ -139,6 +169,8 @@ def main() -> None:
         cfg = config.load(args.config, ov)
         say(f"prism train: {steps} steps of {cfg.train.batch_tokens} tokens ({cfg.train.precision})")
         trainer = trainer_step_times(cfg)[args.warmup :]
+        say("the per-step profile-request check with profiling off")
+        off = profile_check_seconds(cfg)
         say(f"bare PyTorch loop: {steps} steps")
         bare = bare_step_times(cfg, steps)[args.warmup :]
         say(f"loader on one core: {args.loader_seconds:g} s")
@@ -156,6 +188,12 @@ def main() -> None:
         "step_time_target": "<= 1.15",
         "loader_tokens_per_s_one_core": round(loader_rate),
         "loader_target": ">= 20e6",
+        # with profiling off, what the on-demand trace check adds to a step: (step + check) / step
+        "profile_check_us_per_step": round(1e6 * off["check"], 2),
+        "profile_second_allreduce_value_us": round(1e6 * off["second_value"], 2),
+        "step_time_ratio_check_on_over_off": round(
+            (statistics.median(trainer) + off["check"] + max(0.0, off["second_value"])) / statistics.median(trainer), 5
+        ),
     }
     print(json.dumps(result, indent=1))
     report(PROG, result)

@@ -7,10 +7,15 @@
 #
 # The device image has Python 3.12 and torch 2.11 + CUDA 13 but no package registry: megatron-core 0.16.1,
 # deepspeed 0.19.8 and their small deps are installed from ./.whl (carry it: run's `carry: [".whl"]`).
-# It runs benchmarks/bench_arms.py (both arms through `prism train` under torchrun + DeepSpeed, bf16,
-# synthetic tokens) and writes $OUT/gpu_bench_summary.txt plus one JSON per scale.
+# First the SDPA kernel report (`prism model report`, bf16 on the GPU: the kernel torch picks for each layer,
+# the 124M arms and the paper's d_h-384 variant, a fallback named in one warning line), then
+# benchmarks/bench_arms.py (both arms through `prism train` under torchrun + DeepSpeed, bf16, synthetic tokens;
+# the last PROFILE_STEPS=1 step traced: the kernel split and each layer's forward/backward ms, both arms side by
+# side). Writes $OUT/gpu_bench_summary.txt (readable in a minute: kernels, tokens/s, ratio, per-layer table)
+# plus one JSON per scale.
 # Knobs (env): PYTHON, SCALES="124m 757m", STEPS_124M=30, STEPS_757M=12 (STEPS_<SCALE>, default 20), NPROC=1,
-#   DEADLINE=540 (seconds; a scale with under 120 s left is skipped). Each arm also writes one ZeRO checkpoint.
+#   DEADLINE=540 (seconds; a scale with under 120 s left is skipped), PROFILE_STEPS=1. Each arm also writes one
+#   ZeRO checkpoint.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 ROOT=$PWD
@@ -60,6 +65,17 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 say "setup: $PY, $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())') ($(( SECONDS - START ))s)"
 
+# The kernel each layer gets, asked of torch on this GPU (no network needed: the meta device and one probe per d_h)
+for variant in "configs/prism_124m.yaml" \
+  "configs/prism_124m.yaml schedule.heads=2x2,6x2,8x2,12x6 schedule.allow_guideline_violations=true" \
+  "configs/prism_757m.yaml"; do
+  # shellcheck disable=SC2086  # the variant is a config and its overrides
+  timeout 120 "$PY" -m pipeline.cli model report $variant train.precision=bf16 train.device=cuda \
+    >"$WORK/kernels.log" 2>&1 || say "[kernels] $variant: rc=$?"
+  say "[kernels] $variant"
+  grep -E '(attention on|warning:|error:)' "$WORK/kernels.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+done
+
 for scale in ${SCALES:-124m 757m}; do
   left=$(( DEADLINE - (SECONDS - START) ))
   if [ "$left" -lt 120 ]; then say "[$scale] skipped: ${left}s left of DEADLINE=$DEADLINE"; continue; fi
@@ -67,9 +83,9 @@ for scale in ${SCALES:-124m 757m}; do
   steps=${!steps_var:-$([ "$scale" = 124m ] && echo 30 || { [ "$scale" = 757m ] && echo 12 || echo 20; })}
   rc=0
   timeout -k 10 "$left" "$PY" benchmarks/bench_arms.py --scale "$scale" --steps "$steps" --warmup 3 \
-    --profile-steps 2 --nproc "$NPROC" --device cuda --workdir "$WORK/$scale" --json "$OUTDIR/bench_arms_$scale.json" \
+    --profile-steps "${PROFILE_STEPS:-1}" --nproc "$NPROC" --device cuda --workdir "$WORK/$scale" --json "$OUTDIR/bench_arms_$scale.json" \
     >"$WORK/bench_arms_$scale.log" 2>&1 || rc=$?
-  grep -E '^(bench_arms|arm |ratio )' "$WORK/bench_arms_$scale.log" | tee -a "$SUMMARY"
+  grep -E '^(bench_arms|arm |ratio |per-layer|\|)' "$WORK/bench_arms_$scale.log" | tee -a "$SUMMARY"
   [ "$rc" = 0 ] || tail -n 30 "$WORK/bench_arms_$scale.log" | tee -a "$SUMMARY"
   say "[$scale] rc=$rc after $(( SECONDS - START ))s"
   rm -rf "$WORK/$scale"/runs/*/checkpoints/step-*   # ZeRO checkpoints are GBs; metrics.jsonl stays

@@ -14,6 +14,7 @@ to ``served.json`` in that folder. On a CUDA out-of-memory error each rank dumps
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -89,10 +90,11 @@ class Window:
 class Profiler:
     """One rank's profiler: armed for a window of steps, traces them, writes and logs the files, stops."""
 
-    def __init__(self, cfg: Any, rank: int, device: str, tracker: Any, group: Any = None) -> None:
-        self.run_dir, self.rank, self.device, self.tracker, self.group = cfg.run_dir, rank, device, tracker, group
+    def __init__(self, cfg: Any, rank: int, device: str, tracker: Any, model: Any = None) -> None:
+        self.run_dir, self.rank, self.device, self.tracker, self.model = cfg.run_dir, rank, device, tracker, model
         self.window: Window | None = None
         self.prof: Any = None
+        self.labels: Any = None  # the per-layer ranges' hooks, on the model while a window is traced
         steps = cfg.train.profile_steps
         if steps:
             self.window = Window(steps[0], steps[1], cfg.train.profile_memory, requested=False)
@@ -105,11 +107,11 @@ class Profiler:
         found = read_request(self.run_dir)
         return encode(*found) if found else 0.0
 
-    def agreed(self, value: float, step: int) -> None:
-        """Every rank, after the agreement: a request seen at ``step`` traces the next steps."""
+    def agreed(self, value: float, step: int, total_steps: int) -> None:
+        """Every rank, after the agreement: a request seen at ``step`` traces the next steps (those the run has)."""
         steps, memory = decode(value)
-        if steps and self.window is None:
-            self.window = Window(step + 1, step + steps, memory, requested=True)
+        if steps and self.window is None and step < total_steps:
+            self.window = Window(step + 1, min(step + steps, total_steps), memory, requested=True)
 
     def step(self, step: int) -> Any:
         """A context around one optimizer step: the profiler starts at the window's first step, and each traced
@@ -138,22 +140,105 @@ class Profiler:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.prof = profile(activities=activities, profile_memory=w.memory, record_shapes=w.memory)
         self.prof.__enter__()
+        if self.model is not None:
+            self.labels = label_layers(self.model)
 
     def _finish(self, w: Window) -> None:
         import torch.distributed as dist
 
         self.prof.__exit__(None, None, None)
+        for handle in self.labels or ():
+            handle.remove()
         folder = window_dir(self.run_dir, w.first, w.last)
         write_trace(self.prof, folder / f"rank-{self.rank}.json.gz")
         if w.memory:
             write_memory(self.prof, folder, self.rank, self.device)
         self.prof, self.window = None, None
-        dist.barrier(group=self.group)  # every rank's files are on disk before rank 0 lists and logs them
+        dist.barrier()  # every rank's files are on disk before rank 0 lists and logs them
         if self.rank == 0:
             if w.requested and request_path(self.run_dir).exists():
                 os.replace(request_path(self.run_dir), folder / "served.json")
             log_window(self.tracker, folder)
             print(f"prism train: profile of steps {w.first}-{w.last} written to {folder}", flush=True)
+
+
+def layer_range(layer: int, phase: str) -> str:
+    return f"layer{layer:02d}.{phase}"
+
+
+def label_layers(model: Any) -> list[Any]:
+    """Named profiler ranges around each transformer layer's forward and backward (layer01.forward, ...);
+    returns the hook handles. Only while tracing, and removed after. The backward range opens when the layer's
+    output gradient arrives and closes when its input gradient leaves: identity autograd marks on the layer's
+    hidden states (megatron passes them as a keyword, which module backward hooks do not see)."""
+    import re
+
+    import torch
+
+    def enter(name, module):
+        def hook(mod, args, kwargs):
+            module._prism_ranges = [torch.ops.profiler._record_function_enter_new(name)]
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):  # its gradient ends the layer's backward
+                kwargs = {**kwargs, "hidden_states": _mark_class().apply(kwargs["hidden_states"], module, None)}
+            return args, kwargs
+
+        return hook
+
+    def leave(backward_name):
+        def hook(module, args, kwargs, output):
+            torch.ops.profiler._record_function_exit(module._prism_ranges.pop())
+            first = output[0] if isinstance(output, tuple) else output
+            marked = _mark_class().apply(first, module, backward_name)  # its gradient starts the layer's backward
+            return (marked, *output[1:]) if isinstance(output, tuple) else marked
+
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        if m := re.fullmatch(r"(?:.*\.)?decoder\.layers\.(\d+)", name):
+            i = int(m[1]) + 1
+            handles += [
+                module.register_forward_pre_hook(enter(layer_range(i, "forward"), module), with_kwargs=True),
+                module.register_forward_hook(leave(layer_range(i, "backward")), with_kwargs=True),
+            ]
+    return handles
+
+
+@functools.cache
+def _mark_class() -> Any:
+    import torch
+
+    class Mark(torch.autograd.Function):
+        """Identity; its backward opens a range (``name``) or closes the module's open one (``name`` None)."""
+
+        @staticmethod
+        def forward(ctx, x, module, name):
+            ctx.module, ctx.name = module, name
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.name is not None:
+                ctx.module._prism_backward = torch.ops.profiler._record_function_enter_new(ctx.name)
+            elif getattr(ctx.module, "_prism_backward", None) is not None:
+                torch.ops.profiler._record_function_exit(ctx.module._prism_backward)
+                ctx.module._prism_backward = None
+            return grad, None, None
+
+    return Mark
+
+
+def layer_times(prof: Any, device: str) -> dict[int, dict[str, float]]:
+    """{layer: {"forward": ms, "backward": ms}} summed over the traced steps: the ranges' wall time on CPU,
+    the device time of the kernels launched inside them on CUDA."""
+    import re
+
+    times: dict[int, dict[str, float]] = {}
+    for event in prof.key_averages():
+        if m := re.fullmatch(r"layer(\d+)\.(forward|backward)", event.key):
+            us = event.device_time_total if device == "cuda" else event.cpu_time_total
+            times.setdefault(int(m[1]), {})[m[2]] = us / 1e3
+    return dict(sorted(times.items()))
 
 
 def write_trace(prof: Any, path: Path) -> Path:

@@ -607,7 +607,7 @@ def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
     run.saver = Saver(engine, cfg, device)
     run.skipper, run.clock = state.skipper, RankClock(device, faults.slow_rank_seconds(dist.get_rank()))
     run.evals = evals
-    run.profiler = Profiler(cfg, dist.get_rank(), device, tracker)
+    run.profiler = Profiler(cfg, dist.get_rank(), device, tracker, engine.module)
     say_kernels(cfg, tracker, device)
     ranks = topology()  # a collective: every rank
     say(f"prism train: {topology_line(ranks)}")
@@ -752,7 +752,7 @@ def loop(run: Run) -> int:
         unread.add(state.step, result)
         # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only
         stop, news = stop_check(run.profiler.poll(step_actions(cfg, state.step, run.total_steps).sync))
-        run.profiler.agreed(news, state.step)
+        run.profiler.agreed(news, state.step, run.total_steps)
         actions = step_actions(cfg, state.step, run.total_steps, stop)
         if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step

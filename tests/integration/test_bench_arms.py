@@ -49,10 +49,16 @@ def test_bench_arms_reports_both_arms_from_the_trainer(tmp_path):
         assert set(arm["profile_ms"]) == {"matmul", "attention", "other"}
         assert arm["profile_ms"]["matmul"] > 0 and arm["profile_ms"]["attention"] > 0
         assert abs(sum(arm["profile_share"].values()) - 1) < 1e-3
+        # each layer's forward and backward, from the named ranges of the profiled step (#42)
+        layers = arm["layer_ms_per_step"]
+        assert sorted(layers, key=int) == [str(i) for i in range(1, len(arm["heads_per_layer"]) + 1)]
+        assert all(t["forward"] > 0 and t["backward"] > 0 for t in layers.values())
     # prism's plan has more distinct head dims than uniform's, and the log names each one
     assert prism["sdpa"].count("d_h ") == len({192 // h for h in prism["heads_per_layer"]})
     assert uniform["sdpa"].count("d_h ") == 1
     ratio = result["ratio_prism_over_uniform_tokens_per_sec"]
     assert abs(ratio - prism["tokens_per_sec"] / uniform["tokens_per_sec"]) < 1e-9
     assert "ratio prism/uniform tokens_per_sec" in proc.stdout
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "layer" not in line]
+    assert len(table) == len(prism["heads_per_layer"])  # one row per layer, both arms side by side
     assert not (tmp_path / "work" / "data").exists()  # the synthetic tokens are removed afterwards

@@ -21,10 +21,13 @@ STEPS = 4
 FEWER = [f"train.train_tokens={STEPS * 1024}", "train.val_every=4"]
 
 
+def names(path) -> set[str]:
+    return {e.get("name", "") for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+
+
 def traced_steps(path) -> set[int]:
     """The prism_step#N ranges a gzipped Chrome trace holds."""
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    return {int(m[1]) for e in events if (m := re.fullmatch(r"prism_step#(\d+)", e.get("name", "")))}
+    return {int(m[1]) for n in names(path) if (m := re.fullmatch(r"prism_step#(\d+)", n))}
 
 
 def train_run(tiny_data, out, *extra):
@@ -64,6 +67,8 @@ def test_a_request_traces_exactly_the_next_steps_on_every_rank(runs):
     files = sorted(p.name for p in window.iterdir())
     assert files == ["rank-0.json.gz", "rank-0.memory.txt", "rank-1.json.gz", "rank-1.memory.txt", "served.json"]
     assert traced_steps(window / "rank-0.json.gz") == traced_steps(window / "rank-1.json.gz") == {2, 3}
+    layers = {f"layer{i:02d}.{phase}" for i in range(1, 5) for phase in ("forward", "backward")}
+    assert layers <= names(window / "rank-1.json.gz")  # each layer's ranges, for per-layer time
     assert "self_cpu_memory_usage" not in (window / "rank-0.memory.txt").read_text()  # a table, not a repr
     assert "Self CPU Mem" in (window / "rank-0.memory.txt").read_text()
     assert f"profile of steps 2-3 written to {window}" in log

@@ -114,3 +114,33 @@ def test_model_report_refuses_a_pinned_kernel_this_machine_cannot_run(capsys):
     assert main(["model", "report", TINY, "model.attention_backend=efficient"]) == 2
     err = capsys.readouterr().err.strip()
     assert "efficient attention cannot run on cpu" in err and "\n" not in err
+
+
+def test_each_layer_gets_a_forward_and_a_backward_range_while_traced():
+    import time
+
+    from pipeline.model import build_model
+
+    cfg = load()
+    distributed.init_model_parallel(1, cfg.run.seed)
+    model = build_model(cfg)
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    plain = model(tokens, None, None).float().sum()
+    plain.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        handles = profiling.label_layers(model)
+        traced = model(tokens, None, None).float().sum()
+        start = time.perf_counter()
+        traced.backward()
+        backward_ms = 1e3 * (time.perf_counter() - start)
+        for h in handles:
+            h.remove()
+    times = profiling.layer_times(prof, "cpu")
+    assert list(times) == list(range(1, cfg.model.num_layers + 1))
+    assert all(t["forward"] > 0 and t["backward"] > 0 for t in times.values())
+    # the backward ranges hold the layers' backward, not just their hooks (embedding and loss are outside)
+    assert 0.3 * backward_ms < sum(t["backward"] for t in times.values()) <= backward_ms
+    assert torch.equal(plain, traced) and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # off again
