@@ -70,10 +70,16 @@ def test_bad_input_is_one_line_and_exit_2(ladder, tmp_path, capsys):
     client = MlflowClient(uri)
     unfinished = client.create_experiment("unfinished", artifact_location=str(tmp_path / "artifacts"))
     client.create_run(unfinished, tags={"kind": "train", "arm": "uniform", "scale": "w1", "seed": "1"})  # RUNNING
+    # an experiment whose run finished without a validation loss (validation and evals off): no point to fit
+    unscored = client.create_experiment("unscored", artifact_location=str(tmp_path / "artifacts"))
+    run = client.create_run(unscored, tags={"kind": "train", "arm": "prism", "scale": "w2", "seed": "1"})
+    client.log_metric(run.info.run_id, "train/loss", 6.0, step=1)
+    client.set_terminated(run.info.run_id)
     cases = {
         "uniform 2 size(s)": EXPERIMENTS[:2],
         "'prism-ladder-w999' not found": [*EXPERIMENTS, "prism-ladder-w999"],
         "no FINISHED training run": [*EXPERIMENTS, "unfinished"],
+        "'unscored' holds no FINISHED training run with a validation loss": [*EXPERIMENTS, "unscored"],
     }
     for expected, experiments in cases.items():
         args = ["scaling", "--experiment", *experiments, "--tracking-uri", uri, "--out", str(tmp_path / "x")]
@@ -92,9 +98,10 @@ def log_run(client, experiment_id: str, cfg: config.Config, loss: float, tags: d
         run_name=cfg.run_name,
         tags={"kind": "train", "arm": cfg.run.arm, "scale": cfg.run.scale, "seed": str(cfg.run.seed), **(tags or {})},
     )
-    rid, batch = run.info.run_id, cfg.train.batch_tokens
-    metrics = [Metric("train/tokens_seen", s * batch, 1_000 * s, s) for s in (1, 2, 3)]
-    metrics += [Metric("val/loss", loss + 1.0 / s, 1_000 * s, s) for s in (1, 3)]
+    rid, batch, last = run.info.run_id, cfg.train.batch_tokens, cfg.steps(1)["total"]
+    # validated at its schedule's last step, as a finished run is: its final loss is an annealed point
+    metrics = [Metric("train/tokens_seen", s * batch, 1_000 * s, s) for s in (1, 2, last)]
+    metrics += [Metric("val/loss", loss + 1.0 / s, 1_000 * s, s) for s in (1, last)]
     client.log_batch(rid, metrics=metrics)
     client.log_text(rid, cfg.dump(), "config.yaml")
     client.set_terminated(rid)
