@@ -19,6 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
+from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_STEPS, BRANCH_STEP, DECAY_STEPS = 12, 4, 4
@@ -212,6 +213,58 @@ def test_compare_shows_the_annealed_points_of_both_arms(ladder, tmp_path, capsys
     assert "uniform" in line or "prism" in line
     assert (out / "annealed_loss_vs_tokens_tiny.png").stat().st_size > 10_000
     assert "| tiny | prism | 6x2,12x2 | 1 |" in printed  # the main table: the main run alone, no branch
+    # each main run's own decay is an annealed point at its full tokens, beside its branch
+    ends = [x for x in printed.splitlines() if x.startswith(f"| tiny | {MAIN_STEPS * 1024:,} |")]
+    assert sorted(x.split(" | ")[2] for x in ends) == ["prism", "uniform"], printed
+    assert all("| main run's own decay | 1 |" in x for x in ends), ends
+
+
+def test_a_sweep_and_prism_cooldown_branch_both_arms_at_several_steps(ladder, tiny_data, tmp_path):
+    """A sweep spec's cooldown: section lists one branch per (arm, seed, step), and each branch config, built
+    from the preset and the spec's overrides, may start from its main run (pipeline.cooldown.start_point: the
+    checkpoint, the resume policy, the data left); prism cooldown --from-step 4 8 writes one branch per step."""
+    import yaml
+
+    from pipeline import cooldown as branches
+    from pipeline import sweep
+
+    common = [*tiny_data.overrides, *SMALL, f"run.output_dir={ladder.out}"]
+    grid = []
+    for arm, heads in (("prism", "6x2,12x2"), ("uniform", "12x4")):  # the fixture's main runs
+        spec = tmp_path / f"{arm}.yaml"
+        spec.write_text(
+            yaml.safe_dump(
+                {
+                    "configs": [str(ROOT / f"configs/tiny_{arm}.yaml")],
+                    "seeds": [1234],
+                    "overrides": [*common, f"schedule.heads={heads}"],
+                    "cooldown": {"from_steps": [BRANCH_STEP, 8], "decay_tokens": DECAY_STEPS * 1024},
+                }
+            )
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "sweep", str(spec), "--dry-run"], cwd=ROOT, capture_output=True,
+            text=True,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        for step in (BRANCH_STEP, 8):
+            assert f"-> {arm}-tiny-s1234-cooldown-{step} (decays {DECAY_STEPS} steps)" in out.stdout
+        grid += sweep.grid_of_spec(sweep.load_spec(spec))
+    before = listing(ladder.out)
+    other = grid.pop(2)  # uniform at step 4: the fixture's branch there decays linearly (--decay-shape linear)
+    with pytest.raises(ConfigError, match="already holds another branch .cooldown.decay_shape='linear', not None"):
+        branches.start_point(other.cfg, dp=None)
+    starts = {r.name: branches.start_point(r.cfg, dp=None) for r in grid}
+    assert starts[f"prism-tiny-s1234-cooldown-{BRANCH_STEP}"] is None  # the fixture's branch: it would resume
+    assert starts["uniform-tiny-s1234-cooldown-8"].source_dir == ladder.main["uniform"] / "checkpoints"
+    assert listing(ladder.out) == before  # checking wrote nothing
+    printed = cooldown(
+        str(ladder.main["prism"]), "--from-step", "4", "8", "--decay-tokens", "2048", "--out", str(tmp_path),
+        "--launch", "print", "tracking.enabled=false",
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    written = [line.split()[-1] for line in printed.stdout.splitlines() if line.startswith("prism train ")]
+    assert written == [str(tmp_path / f"prism-tiny-s1234-cooldown-{n}" / "cooldown.yaml") for n in (4, 8)]
 
 
 @pytest.mark.parametrize(
