@@ -4,8 +4,6 @@ a bad section is one line naming where it is; the shipped WSD-S spec lists its s
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -68,14 +66,15 @@ def test_a_bad_cooldown_or_configs_key_is_one_line_naming_it(tmp_path, section, 
     assert "spec.yaml" in str(err.value) or "sweep:" in str(err.value)
 
 
-def test_the_shipped_wsds_124m_spec_lists_both_arms_branches():
-    cmd = [sys.executable, "-m", "pipeline.cli", "sweep", "launchers/sweeps/wsds_124m.yaml", "--dry-run"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+def test_the_shipped_wsds_124m_spec_lists_both_arms_branches(capsys):
+    from pipeline.cli import main
+
+    assert main(["sweep", str(ROOT / "launchers/sweeps/wsds_124m.yaml"), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
     for arm in ("prism", "uniform"):
         for step, decay in ((4950, 550), (9900, 1100), (19800, 2200)):
-            assert f"-> {arm}-124m-s1234-cooldown-{step} (decays {decay:,} steps)" in out.stdout
-    assert out.stdout.rstrip().endswith("jobs: 6")
+            assert f"-> {arm}-124m-s1234-cooldown-{step} (decays {decay:,} steps)" in printed
+    assert printed.rstrip().endswith("jobs: 6")
 
 
 @pytest.mark.parametrize(
