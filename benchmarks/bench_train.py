@@ -9,6 +9,9 @@
    target: prism train / bare <= 1.15.
 2. The loader alone, pinned to one CPU core: tokens/s handed out (read + sha256 + tar parse + slicing +
    int64 conversion); target >= 20 M tokens/s.
+3. What on-demand traces cost with profiling off (pipeline.profiling): the per-step check the loop runs (the
+   sync-step rule, rank 0's look for profile/request.json, the no-op step context) and the second value the
+   stop agreement's all-reduce carries, printed as a step-time ratio on/off.
 
 Without a data.dataset_dir override it builds the tiny dataset (benchmarks/_common.py) in a temporary
 folder; with one, that folder must hold a prepared dataset (`prism prepare CONFIG`). --quick: 4 timed steps
@@ -192,7 +195,7 @@ def main() -> None:
         "profile_check_us_per_step": round(1e6 * off["check"], 2),
         "profile_second_allreduce_value_us": round(1e6 * off["second_value"], 2),
         "step_time_ratio_check_on_over_off": round(
-            (statistics.median(trainer) + off["check"] + max(0.0, off["second_value"])) / statistics.median(trainer), 5
+            (statistics.median(trainer) + off["check"] + max(0.0, off["second_value"])) / statistics.median(trainer), 6
         ),
     }
     print(json.dumps(result, indent=1))
