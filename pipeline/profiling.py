@@ -131,6 +131,12 @@ class Profiler:
         if self.prof is not None and self.window is not None and step >= self.window.last:
             self._finish(self.window)
 
+    def cut(self, step: int) -> None:
+        """A stop signal inside a window: the steps traced so far are written (every rank stops at this step)."""
+        if self.prof is not None and self.window is not None:
+            self.window.last = step
+            self._finish(self.window)
+
     def _start(self, w: Window) -> None:
         import torch
         from torch.profiler import ProfilerActivity, profile

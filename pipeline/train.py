@@ -775,6 +775,7 @@ def loop(run: Run) -> int:
         do_step_actions(run, actions, result, progress, final=stop or state.step == run.total_steps)
         unread.restart_clock()  # the steps' own time (perf/step_time) leaves this step's extra work out
         if stop and state.step < run.total_steps:  # a signal at the final step: the run is done, nothing to resume
+            run.profiler.cut(state.step)  # a trace in progress keeps the steps it has
             say(
                 f"prism train: stop signal received; checkpoint at step {state.step} written, exiting with "
                 f"{EXIT_STOPPED} (requeue to resume)"

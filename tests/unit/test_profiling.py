@@ -144,3 +144,26 @@ def test_each_layer_gets_a_forward_and_a_backward_range_while_traced():
     assert 0.3 * backward_ms < sum(t["backward"] for t in times.values()) <= backward_ms
     assert torch.equal(plain, traced) and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # off again
+
+
+def test_a_stop_inside_a_window_writes_the_steps_traced_so_far(tmp_path):
+    import gzip
+
+    from pipeline.tracking import NullTracker
+
+    cfg = load(f"run.output_dir={tmp_path}")
+    distributed.init_model_parallel(1, cfg.run.seed)  # a one-rank process group: the window ends in a barrier
+    prof = profiling.Profiler(cfg, 0, "cpu", NullTracker())
+    profiling.write_request(cfg.run_dir, 3)
+    assert prof.poll(sync_step=False) == 0.0  # not a sync step: the folder is not read
+    prof.agreed(prof.poll(sync_step=True), step=1, total_steps=10)
+    assert (prof.window.first, prof.window.last) == (2, 4)
+    with prof.step(2):
+        torch.ones(4).sum()
+    prof.step_done(2)
+    prof.cut(2)  # a stop signal after step 2
+    window = cfg.run_dir / "profile" / "step-2-2"
+    assert sorted(p.name for p in window.iterdir()) == ["rank-0.json.gz", "served.json"]
+    events = json.loads(gzip.decompress((window / "rank-0.json.gz").read_bytes()))["traceEvents"]
+    assert "prism_step#2" in {e.get("name") for e in events}
+    assert prof.window is None and prof.step(3).__class__.__name__ == "nullcontext"  # back to normal
