@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     step_seconds = budget.wall_seconds / budget.steps if budget.wall_seconds else None
     lines = [format_budget(cfg, budget), *format_aside_cost(cfg, aside, budget)]
+    if args.gpu is not None:  # asks torch on this machine: imports it, so only when a GPU is named
+        from pipeline.model.sdpa_backend import plan_note
+
+        lines += plan_note(cfg, args.gpu)
     print("\n".join([*lines, *format_checkpoint_plan(cfg, ckpt, args.nodes, step_seconds)]))
     if args.lr_curve or args.lr_plot:
         from pipeline import lr_schedule

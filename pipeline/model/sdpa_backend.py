@@ -147,3 +147,23 @@ def kernel_params(cfg: Config, kernels: list[str]) -> dict[str, str]:
     params = {f"attention/kernel_dh{d}": k for d, k in sorted(by_dim.items())}
     params["attention/kernel_layers"] = ",".join(kernels)
     return params
+
+
+def plan_note(cfg: Config, gpu: str) -> list[str]:
+    """What `prism plan --gpu GPU` says about attention kernels: torch's answer per layer when this machine has
+    that GPU, else where to get it (torch answers for the device it runs on, never for a named one)."""
+    from pipeline.hardware import find_gpu
+
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        same = here is not None and find_gpu(here) == find_gpu(gpu)
+    except ValueError:
+        same = False
+    if not same:
+        return [
+            f"  attention    the SDPA kernel per layer is torch's answer on the GPU itself: run `prism model report "
+            f"{cfg.source} train.precision={cfg.train.precision}` on a node with that GPU ({gpu})"
+        ]
+    kernels = layer_kernels(cfg, "cuda")
+    warning = fallback_warning(cfg, kernels, "cuda")
+    return [f"  attention    {kernel_line(cfg, kernels, 'cuda')}"] + ([f"  warning      {warning}"] if warning else [])

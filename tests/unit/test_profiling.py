@@ -167,3 +167,14 @@ def test_a_stop_inside_a_window_writes_the_steps_traced_so_far(tmp_path):
     events = json.loads(gzip.decompress((window / "rank-0.json.gz").read_bytes()))["traceEvents"]
     assert "prism_step#2" in {e.get("name") for e in events}
     assert prof.window is None and prof.step(3).__class__.__name__ == "nullcontext"  # back to normal
+
+
+def test_plan_with_a_gpu_says_where_torch_answers_for_its_kernels(capsys):
+    from pipeline.cli import main
+
+    assert main(["plan", TINY, "--gpu", "H200"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  attention")]
+    if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
+        assert "attention on cuda" in line  # torch's answer for this very GPU
+    else:
+        assert f"run `prism model report {TINY} train.precision=fp32` on a node with that GPU (H200)" in line
