@@ -121,6 +121,8 @@ class Profiler:
         import torch
 
         w = self.window
+        if w is not None and step > w.last and self.prof is None:  # a configured window a resume started past
+            self.window = w = None
         if w is None or not w.first <= step <= w.last:
             return contextlib.nullcontext()
         if self.prof is None:
@@ -156,9 +158,12 @@ class Profiler:
         for handle in self.labels or ():
             handle.remove()
         folder = window_dir(self.run_dir, w.first, w.last)
-        write_trace(self.prof, folder / f"rank-{self.rank}.json.gz")
-        if w.memory:
-            write_memory(self.prof, folder, self.rank, self.device)
+        try:
+            write_trace(self.prof, folder / f"rank-{self.rank}.json.gz")
+            if w.memory:
+                write_memory(self.prof, folder, self.rank, self.device)
+        except OSError as e:  # a full disk loses the trace, never the run
+            print(f"prism train: warning: rank {self.rank}: profile not written to {folder} ({e})", flush=True)
         self.prof, self.window = None, None
         dist.barrier()  # every rank's files are on disk before rank 0 lists and logs them
         if self.rank == 0:
@@ -249,7 +254,8 @@ def layer_times(prof: Any, device: str) -> dict[int, dict[str, float]]:
 
 def write_trace(prof: Any, path: Path) -> Path:
     """The profiler's Chrome trace, gzipped, written whole or not at all."""
-    with tempfile.TemporaryDirectory(dir=path.parent if path.parent.exists() else None) as tmp:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".trace-") as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
         write_atomic(path, gzip.compress(raw.read_bytes(), compresslevel=6))

@@ -178,3 +178,13 @@ def test_plan_with_a_gpu_says_where_torch_answers_for_its_kernels(capsys):
         assert "attention on cuda" in line  # torch's answer for this very GPU
     else:
         assert f"run `prism model report {TINY} train.precision=fp32` on a node with that GPU (H200)" in line
+
+
+def test_a_configured_window_a_resume_started_past_leaves_requests_open(tmp_path):
+    from pipeline.tracking import NullTracker
+
+    prof = profiling.Profiler(load(f"run.output_dir={tmp_path}", "train.profile_steps=[2,3]"), 0, "cpu", NullTracker())
+    profiling.write_request(tmp_path / "prism-tiny-s1234", 1)
+    assert prof.poll(sync_step=True) == 0.0  # the configured window comes first
+    assert prof.step(5).__class__.__name__ == "nullcontext" and prof.window is None  # resumed at step 5
+    assert profiling.decode(prof.poll(sync_step=True)) == (1, False)
