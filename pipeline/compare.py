@@ -244,11 +244,7 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
                 "seeds": ",".join(r.seed for r in group),
                 "final_val_loss_mean": final_mean,
                 "final_val_loss_std": final_std,
-                "delta_vs_uniform": diff.mean if diff else math.nan,
-                "delta_ci95_low": diff.low if diff else math.nan,
-                "delta_ci95_high": diff.high if diff else math.nan,
-                "delta_p_value": diff.p_value if diff else math.nan,
-                "delta_test": diff.method if diff else "",
+                **statistics.difference_columns(diff),
                 "seeds_needed_80pct_power": "" if needed is None else needed,
                 "tokens_per_sec_mean": speed,
                 "tokens_per_sec_ratio": speed / uniform_speed if arm == "prism" and uniform_speed else math.nan,
@@ -551,4 +547,5 @@ def compare_arms(experiment: str, tracking_uri: str, out_dir: str | Path, log_to
         "runs": runs,
         "paths": paths,
         "comparison_run_id": run_id,
+        "comparison_experiment": comparison_experiment(experiment),
     }

@@ -74,6 +74,18 @@ class Difference:
         return not math.isnan(self.p_value)
 
 
+def difference_columns(diff: Difference | None) -> dict[str, float | str]:
+    """A Δ's columns in the comparison tables and CSVs (nan and "" where no difference was computed)."""
+    nan = float("nan")
+    return {
+        "delta_vs_uniform": diff.mean if diff else nan,
+        "delta_ci95_low": diff.low if diff else nan,
+        "delta_ci95_high": diff.high if diff else nan,
+        "delta_p_value": diff.p_value if diff else nan,
+        "delta_test": diff.method if diff else "",
+    }
+
+
 def _from_t(method: str, n: int, mean: float, se: float, df: float, level: float) -> Difference:
     if not (se > 0 and df > 0):  # one seed, or identical values: no interval
         return Difference(method, n, mean, se if se == se else NAN, df, NAN, NAN, NAN)

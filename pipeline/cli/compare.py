@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 DEFAULT_OUTPUT_DIR = "runs"  # tracking.uri: null puts runs of configs with run.output_dir=runs in runs/mlflow.db
 
@@ -32,17 +33,22 @@ def resolve_uri(uri: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.compare import compare_arms
-    from pipeline.redaction import redact_uri
 
     uri = resolve_uri(args.tracking_uri)
     out = args.out or str(Path("runs") / "compare" / args.experiment)
-    result = compare_arms(args.experiment, uri, out, log_to_mlflow=not args.no_log)
+    say_report(compare_arms(args.experiment, uri, out, log_to_mlflow=not args.no_log), uri)
+    return 0
+
+
+def say_report(result: dict[str, Any], uri: str) -> None:
+    """The table, the files written and the comparison run: what `prism compare` and `prism scaling` print."""
+    from pipeline.redaction import redact_uri
+
     print(result["table"])
     for p in result["paths"]:
         print(f"wrote {p}")
     if result["comparison_run_id"]:
         print(
             f"logged to run {result['comparison_run_id']} (tag kind=comparison) in experiment "
-            f"{args.experiment}-comparison of {redact_uri(uri)}"
+            f"{result['comparison_experiment']} of {redact_uri(uri)}"
         )
-    return 0

@@ -35,19 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.cli.compare import resolve_uri
+    from pipeline.cli.compare import resolve_uri, say_report
     from pipeline.compare import compare_scales
-    from pipeline.redaction import redact_uri
 
     uri = resolve_uri(args.tracking_uri)
     out = args.out or str(Path("runs") / "compare" / "scaling")
-    result = compare_scales(args.experiment, uri, out, log_to_mlflow=not args.no_log)
-    print(result["table"])
-    for p in result["paths"]:
-        print(f"wrote {p}")
-    if result["comparison_run_id"]:
-        print(
-            f"logged to run {result['comparison_run_id']} (tag kind=comparison) in experiment "
-            f"{result['comparison_experiment']} of {redact_uri(uri)}"
-        )
+    say_report(compare_scales(args.experiment, uri, out, log_to_mlflow=not args.no_log), uri)
     return 0

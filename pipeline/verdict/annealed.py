@@ -77,11 +77,7 @@ def summarize(branches: list[RunSeries], arm_difference: Difference) -> list[dic
                     "seeds": ",".join(r.seed for r in group),
                     "annealed_val_loss_mean": mean,
                     "annealed_val_loss_std": std,
-                    "delta_vs_uniform": diff.mean if diff else math.nan,
-                    "delta_ci95_low": diff.low if diff else math.nan,
-                    "delta_ci95_high": diff.high if diff else math.nan,
-                    "delta_p_value": diff.p_value if diff else math.nan,
-                    "delta_test": diff.method if diff else "",
+                    **statistics.difference_columns(diff),
                 }
             )
     return rows
