@@ -15,6 +15,7 @@ from pipeline.cli import main
 from pipeline.compare import latest_per_step
 from pipeline.config import flatten
 from pipeline.dataset import read_manifest
+from pipeline.model import sdpa_backend
 from pipeline.tracking.journal import Journal, sync
 from pipeline.tracking.mlflow_run import MlflowTracker, milestone_key
 from tests.fixtures.tracked_runs import TRACKED_MILESTONES, TRACKED_STEPS
@@ -98,8 +99,10 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
         )
         rid = run.info.run_id
         assert run.info.status == "FINISHED" and run.info.run_name == cfg.run_name
-        extra = {"data/epochs", "data/tokens_per_epoch", "parallel/dp_size"}
+        kernels = sdpa_backend.kernel_params(cfg, sdpa_backend.layer_kernels(cfg, "cpu"))  # torch's answer here
+        extra = {"data/epochs", "data/tokens_per_epoch", "parallel/dp_size", *kernels}
         assert set(run.data.params) == set(flatten(cfg.to_dict())) | extra
+        assert {k: run.data.params[k] for k in kernels} == kernels
         assert run.data.params["parallel/dp_size"] == "1"
         manifest = read_manifest(cfg.data.dataset_dir)
         assert run.data.params["data/tokens_per_epoch"] == str(budget.tokens_per_epoch(manifest, 1))
