@@ -6,7 +6,8 @@
 # and checking megatron-core starts with $EXPECT_MEGATRON when that is set. What differs between megatron-core
 # 0.16 and 0.19 is handled in pipeline/compat/megatron.py only; DeepSpeed is the same pinned release in both
 # legs (pipeline/compat/deepspeed.py copies its private code). Extra arguments go to pytest.
-# pytest's exit 5 (no tests collected) is a failure: an empty suite is not green.
+# pytest's exit 5 (no tests collected) is a failure: an empty suite is not green. Each suite ends with its 15
+# slowest tests (--durations), so every run shows where the time goes.
 set -uo pipefail
 VENV=${VENV:-.venv}
 # DeepSpeed JIT builds and torch extensions land in one cache per venv (each has its own torch and Python)
@@ -42,9 +43,9 @@ fi
 for s in "${suites[@]}"; do
   echo "== $s tests"
   if [ "$s" = compat ]; then
-    "$VENV/bin/python" -m pytest tests/unit tests/integration -m megatron_compat "$@"
+    "$VENV/bin/python" -m pytest tests/unit tests/integration -m megatron_compat --durations=15 "$@"
   else
-    "$VENV/bin/python" -m pytest "tests/$s" "$@"
+    "$VENV/bin/python" -m pytest "tests/$s" --durations=15 "$@"
   fi
   rc=$?
   if [ "$rc" -eq 5 ]; then
