@@ -110,7 +110,7 @@ def test_a_fit_needs_both_arms_and_enough_sizes():
 
 
 def test_the_table_and_csv_on_points_from_a_known_law():
-    """(The plot and the files: tests/integration/test_scaling.py, on real runs.)"""
+    """(The plot and the files: tests/integration/test_scaling_ladder.py, on real runs.)"""
     points = law_points([1e6, 3e6, 1e7])
     verdict = scaling.fit(points)
     table = scaling.markdown(points, verdict, "ladder")
