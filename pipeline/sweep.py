@@ -27,7 +27,7 @@ from pipeline.atomic import write_atomic
 from pipeline.lr_schedule import DECAY_SHAPES
 from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor, shutdown_grace
 from pipeline.runs.plan import ALL_VALID, GridRun, build_grid
-from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int
+from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int, mapping_section
 
 
 @dataclasses.dataclass
@@ -188,16 +188,9 @@ def load_spec(path: str | Path) -> dict[str, Any]:
 def check_cooldown_section(doc: SpecFile) -> None:
     """The ``cooldown:`` mapping: from_steps (the branch steps), one of decay_tokens or decay_fraction (as
     `prism cooldown --decay-tokens | --decay-fraction`) and an optional decay_shape."""
-    c = doc.data.get("cooldown")
+    c = mapping_section(doc, "cooldown", COOLDOWN_KEYS)
     if c is None:
         return
-    if not isinstance(c, dict):
-        raise doc.bad("cooldown", f"must be a mapping of {', '.join(COOLDOWN_KEYS)}")
-    unknown = sorted(str(k) for k in c if k not in COOLDOWN_KEYS)
-    if unknown:
-        raise doc.error(
-            f"cooldown.{unknown[0]}", f"unknown key cooldown.{unknown[0]}; allowed: {', '.join(COOLDOWN_KEYS)}", True
-        )
     steps = c.get("from_steps")
     if not isinstance(steps, list) or not steps or not all(is_int(s) and s >= 1 for s in steps):
         raise doc.bad("cooldown.from_steps", "must be a non-empty list of checkpoint steps >= 1, e.g. [36, 72, 144]")

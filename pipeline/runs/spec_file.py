@@ -87,18 +87,27 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_slurm_section(spec: SpecFile) -> None:
-    """The ``slurm:`` mapping of a spec: make_executor's settings, each checked (sweeps and searches)."""
-    slurm = spec.data.get("slurm")
-    if slurm is None:
-        return
-    if not isinstance(slurm, dict):
-        raise spec.bad("slurm", f"must be a mapping of {', '.join(SLURM_KEYS)}")
-    unknown = sorted(str(k) for k in slurm if k not in SLURM_KEYS)
+def mapping_section(spec: SpecFile, name: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """A spec's optional ``name:`` section: None when absent, else a mapping holding only ``keys`` (refused in
+    one line naming the first other key)."""
+    section = spec.data.get(name)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise spec.bad(name, f"must be a mapping of {', '.join(keys)}")
+    unknown = sorted(str(k) for k in section if k not in keys)
     if unknown:
         raise spec.error(
-            f"slurm.{unknown[0]}", f"unknown key slurm.{unknown[0]}; allowed: {', '.join(SLURM_KEYS)}", at_key=True
+            f"{name}.{unknown[0]}", f"unknown key {name}.{unknown[0]}; allowed: {', '.join(keys)}", at_key=True
         )
+    return section
+
+
+def check_slurm_section(spec: SpecFile) -> None:
+    """The ``slurm:`` mapping of a spec: make_executor's settings, each checked (sweeps and searches)."""
+    slurm = mapping_section(spec, "slurm", SLURM_KEYS)
+    if slurm is None:
+        return
     for key in SLURM_INT_KEYS:
         if key in slurm and not (is_int(slurm[key]) and slurm[key] >= (0 if key == "gpus_per_node" else 1)):
             raise spec.bad(f"slurm.{key}", "must be a positive integer")
