@@ -259,18 +259,6 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
     return rows
 
 
-def _delta_cell(r: dict[str, Any]) -> tuple[str, str]:
-    """'Δ [95 % CI]' and 'p (test)' cells of a Prism row; blank for uniform."""
-    if math.isnan(r["delta_vs_uniform"]):
-        return "", ""
-    if math.isnan(r["delta_ci95_low"]):
-        return f"{r['delta_vs_uniform']:+.4f} [needs ≥ 2 seeds]", ""
-    return (
-        f"{r['delta_vs_uniform']:+.4f} [{r['delta_ci95_low']:+.4f}, {r['delta_ci95_high']:+.4f}]",
-        f"{r['delta_p_value']:.3f} ({r['delta_test']})",
-    )
-
-
 def _needed_cell(r: dict[str, Any]) -> str:
     n = r["seeds_needed_80pct_power"]
     if n == "":
@@ -287,7 +275,7 @@ def markdown(rows: list[dict[str, Any]], experiment: str, busy: list[str] | None
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        delta, p = _delta_cell(r)
+        delta, p = statistics.difference_cells(r)
         ratio = "" if math.isnan(r["tokens_per_sec_ratio"]) else f"{r['tokens_per_sec_ratio']:.3f}"
         out.append(
             f"| {r['scale']} | {r['arm']} | {r['schedule']} | {r['runs']} "

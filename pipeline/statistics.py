@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -84,6 +85,19 @@ def difference_columns(diff: Difference | None) -> dict[str, float | str]:
         "delta_p_value": diff.p_value if diff else nan,
         "delta_test": diff.method if diff else "",
     }
+
+
+def difference_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """A table row's 'Δ [95 % CI]' and 'p (test)' cells from its difference_columns; blank where no Δ."""
+    delta, low = row["delta_vs_uniform"], row["delta_ci95_low"]
+    if math.isnan(delta):
+        return "", ""
+    if math.isnan(low):
+        return f"{delta:+.4f} [needs ≥ 2 seeds]", ""
+    return (
+        f"{delta:+.4f} [{low:+.4f}, {row['delta_ci95_high']:+.4f}]",
+        f"{row['delta_p_value']:.3f} ({row['delta_test']})",
+    )
 
 
 def _from_t(method: str, n: int, mean: float, se: float, df: float, level: float) -> Difference:

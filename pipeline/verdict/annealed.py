@@ -83,15 +83,6 @@ def summarize(branches: list[RunSeries], arm_difference: Difference) -> list[dic
     return rows
 
 
-def _delta_cells(r: dict[str, Any]) -> tuple[str, str]:
-    if math.isnan(r["delta_vs_uniform"]):
-        return "", ""
-    if math.isnan(r["delta_ci95_low"]):
-        return f"{r['delta_vs_uniform']:+.4f} [needs ≥ 2 seeds]", ""
-    low, high, p = r["delta_ci95_low"], r["delta_ci95_high"], r["delta_p_value"]
-    return f"{r['delta_vs_uniform']:+.4f} [{low:+.4f}, {high:+.4f}]", f"{p:.3f} ({r['delta_test']})"
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
@@ -108,7 +99,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         std = "n/a" if math.isnan(r["annealed_val_loss_std"]) else f"{r['annealed_val_loss_std']:.4f}"
-        delta, p = _delta_cells(r)
+        delta, p = statistics.difference_cells(r)
         out.append(
             f"| {r['scale']} | {r['tokens']:,} | {r['arm']} | {r['schedule']} | {r['branch_steps']} | "
             f"{len(r['seeds'].split(','))} | {r['annealed_val_loss_mean']:.4f} ± {std} | {delta} | {p} |"
