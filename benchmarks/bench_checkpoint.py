@@ -5,7 +5,7 @@
     python benchmarks/bench_checkpoint.py --dir /local/nvme/tmp    # where the checkpoints go
 
 One DeepSpeed engine (ZeRO-1, the preset's precision, one process) after one optimizer step, so the AdamW
-moments exist. Each save goes through pipeline.checkpoint_writer.Saver, as the loop calls it: synchronous
+moments exist. Each save goes through pipeline.checkpoint.writer.Saver, as the loop calls it: synchronous
 (checkpoint.async_save=false: write, sha256, integrity record, latest) and non-blocking (the copy to host
 memory only; the write, hashing and commit follow in a thread, awaited before the next save, as one save in
 flight allows). Blocked time = how long Saver.save held the loop; median over the saves, the non-blocking
@@ -53,8 +53,8 @@ def build(preset: str, out: Path):
 def time_saves(cfg, engine, async_save: bool, saves: int) -> dict:
     import dataclasses
 
-    from pipeline.checkpoint import TrainState
-    from pipeline.checkpoint_writer import Saver
+    from pipeline.checkpoint.restore import TrainState
+    from pipeline.checkpoint.writer import Saver
 
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_save=async_save, keep_last=1))
     saver = Saver(engine, cfg, "cpu")

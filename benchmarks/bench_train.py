@@ -92,9 +92,9 @@ def profile_check_seconds(cfg, reps: int = 20_000) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from pipeline.cadence import step_actions
     from pipeline.profiling import Profiler
     from pipeline.tracking import NullTracker
-    from pipeline.train import step_actions
 
     prof, total = Profiler(cfg, 0, "cpu", NullTracker()), cfg.steps(1)["total"]
     start = time.perf_counter()

@@ -161,7 +161,7 @@ def milestone_line(cfg: Config, steps: int) -> str:
             f"  milestones   none (checkpoint.keep_every_steps=0); {full}, weights-only {size['weights'] / 1e9:.2f} GB"
         )
     count = steps // c.keep_every_steps + (steps % c.keep_every_steps > 0)  # the last step is one too
-    thin = c.milestone_weights_only and cfg.parallel.zero_stage in (1, 2)  # checkpoint.weights_only's condition
+    thin = c.milestone_weights_only and cfg.parallel.zero_stage in (1, 2)  # checkpoint.commit.weights_only's condition
     each = size["weights"] if thin else size["total"]
     kind = "weights-only" if thin else "full (weights-only: checkpoint.milestone_weights_only, ZeRO-1/2)"
     return (
@@ -192,7 +192,7 @@ class Budget:
     flops_per_token: int
     mfu: float
     peak_flops: float | None  # per GPU, FLOP/s
-    wall_seconds: float | None  # training steps only (validation and evals: pipeline.eval_plan)
+    wall_seconds: float | None  # training steps only (validation and evals: pipeline.eval.plan)
 
 
 def make_budget(

@@ -9,7 +9,7 @@ wall time from the first to the last logged step, with a note when runs overlapp
 (they shared its cores, so their speeds are not comparable). Writes Markdown,
 CSV and two PNGs per scale (val loss vs tokens with ±1 std seed bands; Δ val loss vs tokens on a common
 token grid, the paper's Fig. 3a), plus downstream accuracy against tokens when the runs logged eval/* scores
-(pipeline.compare_evals: its table section, CSV and PNG), and logs them as artifacts of a run tagged
+(pipeline.eval.comparison: its table section, CSV and PNG), and logs them as artifacts of a run tagged
 ``kind=comparison``.
 
 A metric logged twice at one step (a resume replays steps after the last checkpoint) counts once: the
@@ -18,7 +18,7 @@ value with the latest timestamp wins. Never imports the training loop.
 Why it is over 400 lines: it is one job, read -> summarize -> table/CSV -> plots -> log, each stage a few
 short functions over the same RunSeries, and every caller of the comparison (`prism compare`, study, demo,
 search) wants the whole chain through `compare_arms`; split up, the stages would only pass RunSeries across
-files. The downstream-eval part, a table section and plot of its own, is already pipeline.compare_evals; the
+files. The downstream-eval part, a table section and plot of its own, is already pipeline.eval.comparison; the
 scaling fits are pipeline.verdict.scaling's, which `compare_scales` runs over several experiments (`prism
 scaling`) through the same read and log.
 """
@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import compare_evals, statistics
+from pipeline import statistics
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
 from pipeline.config.resume_keys import DATA_ORDER_KEYS
+from pipeline.eval import comparison as compare_evals
 from pipeline.tracking import store
 from pipeline.verdict.paired import seed_pairs
 

@@ -8,7 +8,7 @@ exactly), reading the main run's folder and never writing to it; its LR is pipel
 
 This module owns what a branch may start from; every refusal happens before either folder is written:
 no intact checkpoint at from_step, a decay past the data the epoch budget leaves, a main run trained with
-another model, data or recipe (checkpoint.check_resume_policy, the resume's own policy), a branch folder that
+another model, data or recipe (restore.check_resume_policy, the resume's own policy), a branch folder that
 already holds another branch. `prism cooldown` (pipeline.cli.cooldown) writes and launches a branch's config;
 the branch's MLflow tags naming its main run are pipeline.tracking.mlflow_run.branch_tags'.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import budget, checkpoint
+from pipeline.checkpoint import restore
 from pipeline.config import Config, ConfigError, CooldownConfig, apply_overrides, from_dict
 from pipeline.config.resume_keys import flatten
 
@@ -60,7 +61,7 @@ def check_start(cfg: Config, tag_dir: Path, dp: int | None) -> None:
         )
     if (problem := checkpoint.verify(tag_dir)) is not None:
         raise ConfigError(f"{tag_dir}: {problem}; branch from another step")
-    checkpoint.check_resume_policy(as_main(cfg), tag_dir, record.get("dp_size"), dp)
+    restore.check_resume_policy(as_main(cfg), tag_dir, record.get("dp_size"), dp)
     check_data_left(cfg, dp or record.get("dp_size") or 1)
 
 
@@ -99,7 +100,7 @@ def check_folder(cfg: Config) -> bool:
     return True
 
 
-def start_point(cfg: Config, dp: int | None) -> checkpoint.Resume | None:
+def start_point(cfg: Config, dp: int | None) -> restore.Resume | None:
     """A branch's first start: where it loads from (the main run's tag); None when its own folder already
     holds a start of it (the ordinary resume then takes over). Refuses before anything is written."""
     if check_folder(cfg):
@@ -107,7 +108,7 @@ def start_point(cfg: Config, dp: int | None) -> checkpoint.Resume | None:
     tag_dir = main_tag_dir(cfg)
     check_start(cfg, tag_dir, dp)
     record = checkpoint.read_integrity(tag_dir) or {}
-    return checkpoint.Resume(
+    return restore.Resume(
         tag=tag_dir.name,
         step=cfg.cooldown.from_step,
         saved_dp_size=record.get("dp_size"),

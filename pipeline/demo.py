@@ -242,7 +242,7 @@ class ArmTiming:
         )
 
     def remaining_seconds(self, timed: list[str]) -> float:
-        from pipeline.eval_plan import aside_cost
+        from pipeline.eval.plan import aside_cost
 
         left, whole = [], []
         for arm in timed:

@@ -31,8 +31,10 @@ import numpy as np
 
 from pipeline import budget, checkpoint, data, faults, lr_schedule, model_size
 from pipeline.atomic import write_atomic
-from pipeline.checkpoint import TrainState
-from pipeline.checkpoint_writer import Saver
+from pipeline.cadence import StepActions, step_actions
+from pipeline.checkpoint import restore
+from pipeline.checkpoint.restore import TrainState
+from pipeline.checkpoint.writer import Saver
 from pipeline.config import Config
 from pipeline.console import Pace, Progress, duration
 from pipeline.dataset import DataError, read_shard
@@ -46,7 +48,7 @@ from pipeline.distributed import (
     init_model_parallel,
     train_device,
 )
-from pipeline.eval_catalog import eval_tokens
+from pipeline.eval.catalog import eval_tokens
 from pipeline.exit_codes import (
     EXIT_CRASHED,
     EXIT_FINISHED,
@@ -91,7 +93,7 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
 
 # --- the engine ----------------------------------------------------------------------------------------
 def deepspeed_config(cfg: Config, grad_accum: int, dp_size: int, load_universal: bool = False) -> dict[str, Any]:
-    """load_universal: the resume loads a checkpoint converted for another TP/DP size (pipeline.reshard)."""
+    """load_universal: the resume loads a checkpoint converted for another TP/DP size (pipeline.checkpoint.reshard)."""
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -283,38 +285,6 @@ def train_step(
     return result
 
 
-@dataclass(frozen=True)
-class StepActions:
-    """What the loop does after one optimizer step; every flag implies ``sync``."""
-
-    sync: bool  # read the loss and grad norm back to the host (the step's one device sync)
-    validate: bool  # every validation set (Config.validation_sets)
-    log: bool
-    checkpoint: bool
-    milestone: bool = False  # a checkpoint prune keeps (checkpoint.keep_every_steps)
-    eval: bool = False  # downstream zero-shot evals (train.eval_every), before the step's checkpoint
-
-
-def step_actions(
-    cfg: Config, step: int, total_steps: int, stop: bool = False, minutes_due: bool = False
-) -> StepActions:
-    """The one rule for which steps validate, eval, log, checkpoint and therefore sync (1-based ``step``): the
-    first step logs, the last does everything, a stop signal checkpoints, a milestone step checkpoints; the
-    others only read back on a sync step, so their losses stay on the device until then. With
-    checkpoint.every_minutes the clock replaces every_steps: ``minutes_due`` is the ranks' agreement, asked at
-    sync steps (Saver.minutes_due)."""
-    t, last, c = cfg.train, step == total_steps, cfg.checkpoint
-    validate = step % t.val_every == 0 or last
-    evaluate = t.eval_every > 0 and (step % t.eval_every == 0 or last)
-    log = step == 1 or step % t.log_every == 0 or validate
-    milestone = checkpoint.is_milestone(step, c.keep_every_steps, total_steps)
-    by_steps = c.every_minutes is None and step % c.every_steps == 0
-    save = by_steps or minutes_due or last or stop or milestone
-    return StepActions(
-        sync=log or save or evaluate, validate=validate, log=log, checkpoint=save, milestone=milestone, eval=evaluate
-    )
-
-
 class UnreadSteps:
     """Steps trained since the last sync step, their losses still on the device. ``max_skips_in_a_row``:
     train.max_skips_in_a_row, where a run of skipped steps ends the run."""
@@ -501,7 +471,7 @@ class Run:
     total_steps: int
     warmup: int
     grad_accum: int
-    saver: Any = None  # pipeline.checkpoint_writer.Saver
+    saver: Any = None  # pipeline.checkpoint.writer.Saver
     skipper: Any = None  # pipeline.skipping.StepSkipper
     clock: Any = None  # pipeline.stragglers.RankClock
     node_metrics: Any = None  # pipeline.tracking.system.NodeMetrics on the first rank of nodes but rank 0's
@@ -522,7 +492,7 @@ def train(cfg: Config) -> dict[str, Any]:
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     # the resume checks share the checkpoint hashing out over the ranks
     init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
-    resume = branch_start(cfg) or checkpoint.resume_point(cfg)
+    resume = branch_start(cfg) or restore.resume_point(cfg)
     if resume.finished:
         return already_finished(cfg, resume)
     run = setup(cfg, resume)
@@ -549,7 +519,7 @@ def train(cfg: Config) -> dict[str, Any]:
     return finish(run, exit_code)
 
 
-def branch_start(cfg: Config) -> checkpoint.Resume | None:
+def branch_start(cfg: Config) -> restore.Resume | None:
     """A cooldown branch's first start: its main run's tag (pipeline.cooldown, refusing before any folder is
     written); None for a main run or a branch whose own folder already holds a start of it (it resumes)."""
     import torch.distributed as dist
@@ -561,11 +531,11 @@ def branch_start(cfg: Config) -> checkpoint.Resume | None:
     world, tp = dist.get_world_size(), cfg.parallel.tp
     resume = cooldown.start_point(cfg, world // tp if world % tp == 0 else None)
     if resume is not None:
-        checkpoint.check_writable(cfg.checkpoint_dir)  # the branch's first write, after every check
+        restore.check_writable(cfg.checkpoint_dir)  # the branch's first write, after every check
     return resume
 
 
-def setup(cfg: Config, resume: checkpoint.Resume) -> Run:
+def setup(cfg: Config, resume: restore.Resume) -> Run:
     """Data, model, engine, initial weights and tracker for one start of ``cfg`` (resume: from where).
     The dataset is checked and verified before the model is built, so a bad one costs nothing."""
     import torch.distributed as dist
@@ -641,7 +611,7 @@ def load_data(
 
 
 def build_start(
-    cfg: Config, resume: checkpoint.Resume, loader: Any, grad_accum: int, dp_size: int, device: str
+    cfg: Config, resume: restore.Resume, loader: Any, grad_accum: int, dp_size: int, device: str
 ) -> tuple[Any, Any, TrainState]:
     """The model, its initial weights and the engine around it, and the state the loop starts from. Initial
     weights: the checkpoint resumed from (weights, optimizer, loader position, RNG), else a `prism export`
@@ -654,14 +624,14 @@ def build_start(
         from pipeline.export.hf import init_from
 
         init_from(model, cfg, cfg.train.init_from)
-    reshard = resume.tag is not None and checkpoint.reshards(
+    reshard = resume.tag is not None and restore.reshards(
         resume.saved_tp, resume.saved_dp_size, cfg.parallel.tp, dp_size
     )
     skipper = StepSkipper(cfg.train.skip_window, cfg.train.skip_sigma, device)
     engine, optimizer = build_engine(cfg, model, grad_accum, dp_size, load_universal=reshard, skipper=skipper)
     state = TrainState(loader=loader, skipper=skipper)
     if resume.tag:
-        saved_dp = checkpoint.load(engine, cfg, resume.tag, state, resume.source_dir)
+        saved_dp = restore.load(engine, cfg, resume.tag, state, resume.source_dir)
         if resume.source_dir is not None:  # a cooldown branch's first start: a new tracking run of its own
             state.run_id = None
         if saved_dp != dp_size:
@@ -697,7 +667,7 @@ def start_tracker(cfg: Config, state: TrainState, manifest: dict[str, Any], epoc
     return tracker
 
 
-def say_start(run: Run, resume: checkpoint.Resume, epochs: float, dp_size: int) -> None:
+def say_start(run: Run, resume: restore.Resume, epochs: float, dp_size: int) -> None:
     """The console's start-up lines: damaged checkpoints passed over, what runs where and for how long, and the
     MLflow run's page if there is one."""
     import torch.distributed as dist
@@ -918,7 +888,7 @@ def finish(run: Run, exit_code: int) -> dict[str, Any]:
     }
 
 
-def already_finished(cfg: Config, resume: checkpoint.Resume) -> dict[str, Any]:
+def already_finished(cfg: Config, resume: restore.Resume) -> dict[str, Any]:
     """A run whose last step is already checkpointed: nothing is trained."""
     total = cfg.steps(1)["total"]
     for line in resume_notes(resume):
@@ -939,7 +909,7 @@ def already_finished(cfg: Config, resume: checkpoint.Resume) -> dict[str, Any]:
     }
 
 
-def resume_notes(resume: checkpoint.Resume) -> list[str]:
+def resume_notes(resume: restore.Resume) -> list[str]:
     """The console's warning when damaged checkpoints were passed over."""
     if not resume.damaged:
         return []

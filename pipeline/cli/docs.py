@@ -104,7 +104,7 @@ def type_text(tp: type) -> str:
 
 
 def default_text(f: dataclasses.Field) -> str:
-    from pipeline.config import _plain
+    from pipeline.config.schema import _plain
 
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
@@ -133,8 +133,8 @@ def allowed_text(key: str) -> str:
 
 
 def resume_text(key: str) -> str:
-    """What a resume may do with this key, by the sets `checkpoint.check_resume_policy` applies."""
-    from pipeline.checkpoint import ELASTIC_ZERO_STAGES
+    """What a resume may do with this key, by the sets `checkpoint.restore.check_resume_policy` applies."""
+    from pipeline.checkpoint.restore import ELASTIC_ZERO_STAGES
     from pipeline.config.resume_keys import EXECUTION_ONLY_KEYS, MODEL_OR_DATA_KEYS, RECIPE_KEYS
 
     def within(keys: tuple[str, ...]) -> bool:
@@ -206,13 +206,42 @@ def unit_edges() -> dict[str, set[str]]:
     return edges
 
 
+def module_edges() -> dict[str, set[str]]:
+    """Which of our modules each module imports, a package's ``__init__`` being the package's own name: ``from
+    pipeline.config import rules`` is an edge to the submodule, ``from pipeline.config import Config`` one to the
+    package's ``__init__``. The circles unit_edges cannot see (inside a package, its ``__init__`` and its own
+    submodules included) show up here."""
+    import ast
+
+    def name_of(rel: Path) -> str:
+        return ".".join(rel.parts).removesuffix(".__init__")
+
+    files = {
+        p: name_of(p.relative_to(ROOT).with_suffix("")) for root in GRAPH_ROOTS for p in (ROOT / root).rglob("*.py")
+    }
+    modules = set(files.values())
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for path, here in files.items():
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [n for n in subs if n in modules]
+                if len(names) < len(subs):  # some names are the module's own attributes
+                    names.append(node.module)
+            edges[here].update(n for n in names if n in modules and n != here)
+    return edges
+
+
 def import_graph() -> str:
     """The table of unit_edges() and the circles."""
     edges = unit_edges()
     rows = ["| unit | imports (ours) |", "|---|---|"]
     rows += [f"| `{u}` | {', '.join(f'`{t}`' for t in sorted(edges[u])) or '(none)'} |" for u in sorted(edges)]
-    circles = [sorted(c) for c in cycles(edges)]
-    verdict = "No circles between units." if not circles else "Circles: " + "; ".join(" ↔ ".join(c) for c in circles)
+    circles = [sorted(c) for c in cycles(module_edges())]
+    verdict = "No circles between modules." if not circles else "Circles: " + "; ".join(" ↔ ".join(c) for c in circles)
     return "\n".join(rows) + f"\n\n{verdict}\n"
 
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from pipeline.checkpoint_plan import FS_GBPS, MTBF_NODE_HOURS, checkpoint_plan, format_checkpoint_plan
+from pipeline.checkpoint.plan import FS_GBPS, MTBF_NODE_HOURS, checkpoint_plan, format_checkpoint_plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
     from pipeline.budget import budget_json, format_budget, make_budget, read_manifest_if_prepared
-    from pipeline.eval_plan import aside_cost, format_aside_cost
+    from pipeline.eval.plan import aside_cost, format_aside_cost
 
     cfg = config.load(args.config, args.overrides)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12

@@ -13,7 +13,7 @@ Private behaviour relied on (not copied): save_checkpoint writes every file thro
 ``engine.checkpoint_engine.save``, which stage_checkpoint_writes wraps so the files can be written in the
 background; on another release saves stay synchronous (one warning line).
 
-A resume at another TP or DP size goes through DeepSpeed's public universal checkpoint (pipeline.reshard),
+A resume at another TP or DP size goes through DeepSpeed's public universal checkpoint (pipeline.checkpoint.reshard),
 not through copied code."""
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def _zero_unscale_and_clip_without_host_reads(self: Any, grad_groups_flat: list,
 # ======================================================================================================
 def stage_checkpoint_writes(engine: Any) -> StagingCheckpointEngine | None:
     """Make ``engine.save_checkpoint`` stage every file in host memory instead of writing it, so the
-    caller can write them in the background (pipeline.checkpoint_writer) with DeepSpeed's exact layout.
+    caller can write them in the background (pipeline.checkpoint.writer) with DeepSpeed's exact layout.
 
     Relies on DeepSpeed 0.19.8 private behaviour: save_checkpoint hands every file's state dict to
     ``engine.checkpoint_engine.save(state, path)`` (read at save time, not cached), and those dicts alias live
@@ -361,7 +361,7 @@ class StagingCheckpointEngine:
         self.staged.append((path, self._to_host(state_dict, os.path.basename(path), copies)))
 
     def commit(self, info: Any) -> bool:
-        return True  # the files are not written yet: pipeline.checkpoint_writer commits them
+        return True  # the files are not written yet: pipeline.checkpoint.writer commits them
 
     def take_staged(self) -> list[tuple[str, Any]]:
         """The staged (path, host state dict) pairs; waits for the device-to-host copies to finish."""

@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.config import REQUIRED, Config, ConfigError, RunConfig
+from pipeline.config.errors import ConfigError
+from pipeline.config.resume_keys import MODEL_OR_DATA_KEYS, flatten, in_scope, with_compact_schedule
+from pipeline.config.schema import REQUIRED, Config, RunConfig, schema_default
 
 
 def _type_name(tp: Any) -> str:
@@ -216,3 +218,17 @@ def _deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]
         else:
             out[key] = value
     return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS) -> list[str]:
+    """Flattened keys under ``scope`` whose values differ between two config dicts. The schedule is compared
+    as what it builds: a config saved before schedules were stored compactly may spell it another way."""
+    a, b = with_compact_schedule(flatten(old)), with_compact_schedule(flatten(new))
+    keys = sorted(set(a) | set(b))
+
+    def differs(k: str) -> bool:
+        if k not in a:  # saved before the key existed: that run had the default's behaviour
+            return b.get(k) != schema_default(k)
+        return a.get(k) != b.get(k)
+
+    return [k for k in keys if in_scope(k, scope) and differs(k)]

@@ -4,14 +4,14 @@ config dicts by what they build (the schedule resolved)."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import schedule
-from pipeline.config import Config, _plain
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import Config
 
 # What a checkpoint's weights are: eval, export and generate may repoint paths, never change these.
 WEIGHT_KEYS = ("model", "schedule", "parallel.tp")
@@ -96,20 +96,6 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_keys(old: dict[str, Any], new: dict[str, Any], scope: tuple[str, ...] = MODEL_OR_DATA_KEYS) -> list[str]:
-    """Flattened keys under ``scope`` whose values differ between two config dicts. The schedule is compared
-    as what it builds: a config saved before schedules were stored compactly may spell it another way."""
-    a, b = _resolved(flatten(old)), _resolved(flatten(new))
-    keys = sorted(set(a) | set(b))
-
-    def differs(k: str) -> bool:
-        if k not in a:  # saved before the key existed: that run had the default's behaviour
-            return b.get(k) != schema_default(k)
-        return a.get(k) != b.get(k)
-
-    return [k for k in keys if _in_scope(k, scope) and differs(k)]
-
-
 def result_hash(cfg: Config) -> str:
     """A run's identity for "already finished" (demo, study): the hash of what it trains and measures (model
     and data keys, recipe, MEASURED_KEYS; the schedule resolved), leaving out execution-only keys and what is
@@ -120,19 +106,19 @@ def result_hash(cfg: Config) -> str:
         inert += WSD_KEYS
     kept = {
         k: v
-        for k, v in _resolved(flatten(cfg.to_dict())).items()
-        if _in_scope(k, MODEL_OR_DATA_KEYS + RECIPE_KEYS + MEASURED_KEYS) and not k.startswith(inert)
+        for k, v in with_compact_schedule(flatten(cfg.to_dict())).items()
+        if in_scope(k, MODEL_OR_DATA_KEYS + RECIPE_KEYS + MEASURED_KEYS) and not k.startswith(inert)
     }
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _in_scope(key: str, scope: tuple[str, ...]) -> bool:
+def in_scope(key: str, scope: tuple[str, ...]) -> bool:
     if any(key == e or key.startswith(e + ".") for e in EXECUTION_ONLY_KEYS):
         return False
     return any(key == s or key.startswith(s + ".") for s in scope)
 
 
-def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
+def with_compact_schedule(flat: dict[str, Any]) -> dict[str, Any]:
     """``schedule.heads`` in compact form where it resolves (left as written where it does not)."""
     heads = flat.get("schedule.heads")
     if isinstance(heads, str | list | tuple):
@@ -141,16 +127,3 @@ def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
         except (schedule.ScheduleError, TypeError, ValueError):
             pass
     return flat
-
-
-def schema_default(key: str) -> Any:
-    """The default of a flattened ``section.name`` key (``model.spec`` -> "local"); MISSING where none."""
-    section, _, name = key.partition(".")
-    cls = typing.get_type_hints(Config).get(section)
-    if not dataclasses.is_dataclass(cls):
-        return dataclasses.MISSING
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            return _plain(default)
-    return dataclasses.MISSING

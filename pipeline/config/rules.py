@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline import schedule
-from pipeline.config import ConfigError
+from pipeline.config.errors import ConfigError
 from pipeline.config.resume_keys import RECIPE_KEYS
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -253,8 +253,8 @@ def check_val_sets(cfg: Config) -> None:
 
 
 def check_eval_tasks(cfg: Config) -> None:
-    """train.eval_every needs tasks, and every task must be one of the offline sets (pipeline.eval_catalog)."""
-    from pipeline.eval_catalog import OFFLINE_TASKS
+    """train.eval_every needs tasks, and every task must be one of the offline sets (pipeline.eval.catalog)."""
+    from pipeline.eval.catalog import OFFLINE_TASKS
 
     t = cfg.train
     for task in t.eval_tasks:

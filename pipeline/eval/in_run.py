@@ -38,7 +38,7 @@ class DownstreamEval:
         training mode."""
         from megatron.core import parallel_state
 
-        from pipeline.checkpoint import rng_preserved
+        from pipeline.checkpoint.restore import rng_preserved
         from pipeline.console import library_output_to_log
         from pipeline.eval.lm import DataParallelLM
         from pipeline.eval.zeroshot import score

@@ -15,9 +15,9 @@ from typing import Any
 
 from pipeline.atomic import write_atomic
 from pipeline.config import ConfigError
+from pipeline.eval.catalog import OFFLINE_TASKS as PAPER_TASKS
+from pipeline.eval.catalog import TASKS_DIR
 from pipeline.eval.items import ITEMS_ARTIFACT_DIR, TaskItems, task_items, write_items
-from pipeline.eval_catalog import OFFLINE_TASKS as PAPER_TASKS
-from pipeline.eval_catalog import TASKS_DIR
 from pipeline.metric_names import eval_metric
 from pipeline.tracking.store import log_to_run
 

@@ -8,7 +8,7 @@ are whole on every rank, and so is the attention of a layer the config replicate
 A SwiGLU fc1 is [gate; up], and each rank holds [its gate rows; its up rows]: joining ranks un-interleaves them.
 
 Readers: the TP gather of inference and the export (``gather``, pipeline.inference.read_whole_weights) and the resume at another TP size
-(pipeline.reshard, which declares this layout to DeepSpeed's universal checkpoint). Torch-free apart from join.
+(pipeline.checkpoint.reshard, which declares this layout to DeepSpeed's universal checkpoint). Torch-free apart from join.
 """
 
 from __future__ import annotations

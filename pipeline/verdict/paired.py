@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import statistics
-from pipeline.compare_evals import to_csv
 from pipeline.eval import items as eval_items
+from pipeline.eval.comparison import to_csv
 
 ITEM_NOISE = "items (eval sample)"
 ITEM_SEED_NOISE = "items + seeds (eval sample and training noise)"

@@ -1,6 +1,6 @@
 """Elastic resume: a checkpoint written by a DP=2 run (torchrun, gloo, ZeRO-1) resumes at DP=1 and at DP=4,
 and one written at TP=2 resumes at TP=1 and one at TP=1 at TP=2 (both through DeepSpeed's universal
-checkpoint, pipeline.reshard; see the tensor-parallel section).
+checkpoint, pipeline.checkpoint.reshard; see the tensor-parallel section).
 
 The reference is the uninterrupted DP=2 run. Its step-3 checkpoint is copied (a rollback: `latest` points
 at it) and resumed with another number of processes; the global batch stays 1024 tokens (grad accumulation
@@ -27,6 +27,7 @@ import subprocess
 import pytest
 
 from pipeline import checkpoint, config, data
+from pipeline.checkpoint import restore
 from tests.integration.test_train import (
     PRESET,
     ROOT,
@@ -180,7 +181,7 @@ def test_bf16_elastic_load_joins_the_saved_partitions(dp2_bf16, tiny_data, tmp_p
     distributed.init_model_parallel(1, cfg.run.seed)
     grad_accum = cfg.steps(1)["grad_accum"]
     engine, _ = build_engine(cfg, build_model(cfg), grad_accum=grad_accum, dp_size=1, load_universal=True)
-    checkpoint.load(engine, cfg, STEP3, checkpoint.TrainState())
+    restore.load(engine, cfg, STEP3, restore.TrainState())
     files = [ckpt / STEP3 / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
     saved = [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
     optimizer = engine.optimizer
@@ -231,7 +232,7 @@ def resumed_at_tp(source, tiny_data, tmp_path, old_tp: int, new_tp: int, *extra:
         f"mp_rank_{r:02d}_model_states.pt" for r in range(new_tp)
     ]
     assert json.loads((ckpt / STEP6 / "integrity.json").read_text())["tp"] == new_tp
-    assert not (ckpt / checkpoint.UNIVERSAL).exists()  # the converted copy is gone once loaded
+    assert not (ckpt / restore.UNIVERSAL).exists()  # the converted copy is gone once loaded
     return log, metrics(tmp_path / "run"), ckpt
 
 

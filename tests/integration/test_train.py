@@ -256,7 +256,7 @@ def test_a_start_checks_the_dataset_once(watched_run):
 
 @pytest.mark.megatron_compat
 def test_the_loop_does_what_step_actions_says(watched_run):
-    from pipeline.train import step_actions
+    from pipeline.cadence import step_actions
 
     cfg, seen = watched_run
     actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}

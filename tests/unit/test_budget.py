@@ -42,8 +42,8 @@ def test_validation_and_evals_of_the_757m_defaults_by_hand():
     """validation every 250 steps and at the last (160 of 39,997) over 5,242,880 tokens; evals every 2,000 and
     at the last (20) over the four whole offline sets; each a forward pass, a third of a training token's
     FLOPs: at most 2 % of the run's wall time."""
-    from pipeline.eval_catalog import eval_tokens
-    from pipeline.eval_plan import aside_cost, format_aside_cost
+    from pipeline.eval.catalog import eval_tokens
+    from pipeline.eval.plan import aside_cost, format_aside_cost
 
     cfg = config.load(P757)
     a = aside_cost(cfg, budget.make_budget(cfg, nodes=1, gpus_per_node=8, mfu=0.4, peak_flops=989e12).steps)
@@ -269,7 +269,7 @@ def test_checkpoint_plan_757m_by_hand():
     holds the weights and 1/8 of the rest; Young-Daly is sqrt(2 C M) with M the node MTBF over the nodes."""
     import math
 
-    from pipeline.checkpoint_plan import HOST_COPY_GBPS, MTBF_NODE_HOURS, checkpoint_plan
+    from pipeline.checkpoint.plan import HOST_COPY_GBPS, MTBF_NODE_HOURS, checkpoint_plan
 
     cfg = config.load(P757)
     n = model_size.parameter_count(cfg)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import checkpoint, config
+from pipeline.checkpoint import restore
 from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,34 +59,34 @@ def test_resume_point_falls_back_past_damage_and_respects_a_rolled_back_pointer(
     cfg = cfg_in(tmp_path, "train.train_tokens=12288")  # 12 steps: step 6 is not the last
     make_tag(cfg, 3)
     six = make_tag(cfg, 6)
-    assert checkpoint.resume_point(cfg).tag == "step-0000006"
+    assert restore.resume_point(cfg).tag == "step-0000006"
     (six / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
-    resume = checkpoint.resume_point(cfg)
+    resume = restore.resume_point(cfg)
     assert resume.tag == "step-0000003" and not resume.finished
     assert "step-0000006: zero_pp_rank_0_mp_rank_00_optim_states.pt is missing" in resume.damaged[0]
     make_tag(cfg, 9)
     (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a user rolled back: newer tags are ignored
-    assert checkpoint.resume_point(cfg).tag == "step-0000003"
+    assert restore.resume_point(cfg).tag == "step-0000003"
 
 
 def test_a_folder_never_completed_is_a_fresh_start_and_a_tag_without_its_record_never_resumes(tmp_path):
     cfg = cfg_in(tmp_path)
     make_tag(cfg, 3, record=False)
     (cfg.checkpoint_dir / "latest").unlink()  # killed before its first `latest`
-    assert checkpoint.resume_point(cfg).tag is None
+    assert restore.resume_point(cfg).tag is None
     (cfg.checkpoint_dir / "latest").write_text("step-0000003")  # a pointer at a tag whose save never completed
     with pytest.raises(ConfigError, match=r"step-0000003: integrity\.json is missing or unreadable"):
-        checkpoint.resume_point(cfg)
+        restore.resume_point(cfg)
 
 
 def test_finished_and_plan_changes(tmp_path):
     cfg = cfg_in(tmp_path)
     make_tag(cfg, 6)
-    assert checkpoint.resume_point(cfg).finished
+    assert restore.resume_point(cfg).finished
     with pytest.raises(ConfigError, match=r"train\.warmup_fraction changed \(0\.025 -> 0\.1\).*allow_changes"):
-        checkpoint.resume_point(cfg_in(tmp_path, "train.warmup_fraction=0.1"))
+        restore.resume_point(cfg_in(tmp_path, "train.warmup_fraction=0.1"))
     accepted = cfg_in(tmp_path, "train.warmup_fraction=0.1", "checkpoint.allow_changes=[train.warmup_fraction]")
-    assert checkpoint.resume_point(accepted).tag == "step-0000006"
+    assert restore.resume_point(accepted).tag == "step-0000006"
     with pytest.raises(ConfigError, match="'model.d_model' cannot change on resume"):
         cfg_in(tmp_path, "checkpoint.allow_changes=[model.d_model]")
 
@@ -98,7 +99,7 @@ def test_every_reader_of_latest_goes_through_read_latest(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "read_latest", lambda checkpoint_dir: "step-0000003")
     assert checkpoint.latest_tag(cfg.checkpoint_dir) == "step-0000003"
     assert checkpoint.resolve_tag_dir(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step-0000003"
-    assert checkpoint.resume_point(cfg).tag == "step-0000003"  # a rolled-back pointer is respected
+    assert restore.resume_point(cfg).tag == "step-0000003"  # a rolled-back pointer is respected
 
 
 @pytest.mark.parametrize(
@@ -116,12 +117,12 @@ def test_resume_policy_decides_a_data_parallel_change(tmp_path, stage, precision
     """Whether a DP change may resume is the policy's answer alone, before any weights load."""
     cfg = cfg_in(tmp_path, f"parallel.zero_stage={stage}", f"train.precision={precision}")
     tag = make_tag(cfg, 3)
-    checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=2)  # the same size: always
-    checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=None)  # nothing trains here (finished)
+    restore.check_resume_policy(cfg, tag, saved_dp=2, dp=2)  # the same size: always
+    restore.check_resume_policy(cfg, tag, saved_dp=2, dp=None)  # nothing trains here (finished)
     if elastic:
-        checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
+        restore.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
     else:
         with pytest.raises(ConfigError, match=r"saved at data-parallel size 2, this run has 1; .* resume with 2"):
-            checkpoint.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
+            restore.check_resume_policy(cfg, tag, saved_dp=2, dp=1)
     with pytest.raises(ConfigError, match=r"model\.d_model changed"):  # and the model, whatever the layout
-        checkpoint.check_resume_policy(cfg_in(tmp_path, "model.d_model=96"), tag, saved_dp=2, dp=2)
+        restore.check_resume_policy(cfg_in(tmp_path, "model.d_model=96"), tag, saved_dp=2, dp=2)

@@ -1,4 +1,4 @@
-"""Accuracy against tokens in the arms comparison (pipeline.compare_evals) on hand-made runs: mean over seeds,
+"""Accuracy against tokens in the arms comparison (pipeline.eval.comparison) on hand-made runs: mean over seeds,
 Student's t interval from two seeds on, one column per task (acc_norm where logged), CSV and plot."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 from scipy import stats
 
-from pipeline import compare_evals
 from pipeline.compare import RunSeries, _save, compact_tokens
+from pipeline.eval import comparison as compare_evals
 
 
 def run(arm: str, seed: int, scores: dict[str, list[float]]) -> RunSeries:

@@ -74,6 +74,7 @@ def test_on_another_release_deepspeeds_own_step_runs_with_one_warning(deepspeed_
 # --- whether a DP change may resume is checkpoint's decision, not compat's ---------------------------------
 def test_a_dp_change_without_zero_partitions_is_refused_by_the_resume_policy(tmp_path):
     from pipeline import checkpoint, config
+    from pipeline.checkpoint import restore
 
     cfg = config.load(
         "configs/tiny_prism.yaml", [f"run.output_dir={tmp_path}", "parallel.zero_stage=0", "model.seq_len=64"]
@@ -85,4 +86,4 @@ def test_a_dp_change_without_zero_partitions_is_refused_by_the_resume_policy(tmp
     checkpoint.write_integrity(tag, {"step": 3, "tp": 1, "dp_size": 2, "world_size": 2})
     (cfg.checkpoint_dir / checkpoint.LATEST).write_text(tag.name)
     with pytest.raises(ConfigError, match=r"saved at data-parallel size 2, this run has 1.*zero_stage 1 and 2"):
-        checkpoint.resume_point(cfg)  # a one-process run: DP 1
+        restore.resume_point(cfg)  # a one-process run: DP 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import checkpoint, config
+from pipeline.checkpoint import restore
 from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +61,9 @@ def make_tag(cfg: config.Config, step: int) -> None:
 @pytest.mark.parametrize("saved, resumed", [(SPELLINGS[0], SPELLINGS[1]), (SPELLINGS[1], SPELLINGS[0])])
 def test_two_spellings_resume_each_other(tmp_path, saved, resumed):
     make_tag(tiny(tmp_path, saved), 3)
-    assert checkpoint.resume_point(tiny(tmp_path, resumed)).tag == "step-0000003"
+    assert restore.resume_point(tiny(tmp_path, resumed)).tag == "step-0000003"
     with pytest.raises(ConfigError, match=r"schedule\.heads changed"):  # a different model still is refused
-        checkpoint.resume_point(tiny(tmp_path, "6x2,12x6"))
+        restore.resume_point(tiny(tmp_path, "6x2,12x6"))
 
 
 def test_a_checkpoint_saved_with_another_spelling_compares_by_what_it_builds(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline import config, demo
 from pipeline.console import duration
-from pipeline.eval_plan import aside_cost
+from pipeline.eval.plan import aside_cost
 
 
 def feed(timing, monkeypatch, lines):

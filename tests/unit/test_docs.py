@@ -57,10 +57,15 @@ POLICIES = {"pipeline.demo", "pipeline.study", "pipeline.sweep", "pipeline.searc
 
 def test_the_layers_read_top_down():
     """Verbs, then the policies, then pipeline.runs, then the core; launchers' job-side helpers sit beside the
-    verbs. An import against that order (or a circle) fails here, whatever the generated table says."""
+    verbs. An import against that order, or a circle between modules, fails here, whatever the generated table
+    says. Circles are judged between modules, not units: pipeline.config reads the task names of
+    pipeline.eval.catalog, a leaf, while other eval modules read the config."""
     edges = docs.unit_edges()
-    assert docs.cycles(edges) == []
     assert POLICIES | {"pipeline.runs", "pipeline.cli", "launchers"} <= set(edges)
+    modules = docs.module_edges()
+    assert {"pipeline.config", "pipeline.config.schema", "pipeline.checkpoint.restore"} <= set(modules)
+    assert "pipeline.config.schema" in modules["pipeline.config.loading"]  # a submodule, not the package
+    assert docs.cycles(modules) == [], "a circle between modules (a package's __init__ and its submodules count)"
     for unit, targets in edges.items():
         if unit.startswith("pipeline"):
             assert "launchers" not in targets, f"{unit} imports launchers: job-side scripts sit above pipeline"

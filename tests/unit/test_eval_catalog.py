@@ -1,4 +1,4 @@
-"""The offline task catalog (pipeline.eval_catalog) agrees with what lm-eval loads: the names are the task
+"""The offline task catalog (pipeline.eval.catalog) agrees with what lm-eval loads: the names are the task
 files, the document counts those of the shipped validation sets, and the token estimate what PrismLM scores."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline import eval_catalog as catalog
+from pipeline.eval import catalog
 
 
 def test_names_are_the_task_files_and_docs_the_shipped_sets():

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from pipeline import checkpoint
+from pipeline.cadence import step_actions
+from pipeline.checkpoint import commit, restore
 from pipeline.config import ConfigError
-from pipeline.train import step_actions
 from tests.unit.test_checkpoint_integrity import cfg_in, make_tag
 
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -21,7 +22,7 @@ def save_steps(cfg, steps) -> None:
     """What the trainer's save does for each step, minus DeepSpeed: a committed tag, then prune."""
     for step in steps:
         make_tag(cfg, step)
-        checkpoint.prune(cfg.checkpoint_dir, cfg, keep=checkpoint.tag_for(step))
+        commit.prune(cfg.checkpoint_dir, cfg, keep=checkpoint.tag_for(step))
 
 
 def kept(cfg) -> list[int]:
@@ -55,10 +56,10 @@ def test_weights_only_milestones_keep_what_readers_need_and_are_never_resumed(tm
     # the newest tag breaks: the resume passes the weights-only milestones over, and says so
     (cfg.checkpoint_dir / "step-0000014" / OPTIM).unlink()
     with pytest.raises(ConfigError, match=r"step-0000012: a weights-only milestone .* not resumable"):
-        checkpoint.resume_point(cfg)
+        restore.resume_point(cfg)
     # a crash between the record and the deletes leaves an extra file, which the next prune removes
     (six / OPTIM).write_bytes(b"o" * 512)
-    checkpoint.prune(cfg.checkpoint_dir, cfg, keep="step-0000014")
+    commit.prune(cfg.checkpoint_dir, cfg, keep="step-0000014")
     assert not (six / OPTIM).exists()
 
 

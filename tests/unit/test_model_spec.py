@@ -73,6 +73,7 @@ def test_transformer_engine_refused_in_one_line_where_it_does_not_import(monkeyp
 
 def test_resume_across_specs_is_refused_naming_both(tmp_path):
     from pipeline import checkpoint
+    from pipeline.checkpoint import restore
 
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
     (tmp_path / "step-0000002").mkdir()
@@ -80,27 +81,27 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     (tmp_path / "step-0000002" / checkpoint.MODEL_STATES).write_bytes(b"")
     checkpoint.write_integrity(tmp_path / "step-0000002", {"step": 2, "tp": 1, "dp_size": 1, "world_size": 1})
     (tmp_path / "latest").write_text("step-0000002")
-    assert checkpoint.resume_point(cfg).tag == "step-0000002"
+    assert restore.resume_point(cfg).tag == "step-0000002"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
     with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
-        checkpoint.resume_point(other)
+        restore.resume_point(other)
     assert yaml.safe_load(cfg.dump())["model"]["spec"] == "local"  # the checkpoint's config records it
 
 
 def test_checkpoint_records_the_spec_and_resume_refuses_another(tmp_path):
     """The spec is part of the weights' layout (TE fuses norms, adds _extra_state): the resume policy refuses
     another one from the saved config, before any weights load."""
-    from pipeline import checkpoint
+    from pipeline.checkpoint import commit, restore
 
-    class Engine:  # what checkpoint.save touches of a DeepSpeed engine
+    class Engine:  # what commit.save touches of a DeepSpeed engine
         def save_checkpoint(self, save_dir, tag, client_state, save_latest):
             self.client_state = client_state
 
     cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
     distributed.init_model_parallel(1, cfg.run.seed)  # save asks megatron for the data-parallel layout
     engine = Engine()
-    checkpoint.save(engine, cfg, checkpoint.TrainState(step=2))
+    commit.save(engine, cfg, restore.TrainState(step=2))
     assert engine.client_state["prism"]["spec"] == "local"
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
     with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
-        checkpoint.resume_point(other)
+        restore.resume_point(other)

@@ -74,7 +74,7 @@ def test_train_state_round_trip_restores_counters_loader_and_every_rng():
     from megatron.core import tensor_parallel
 
     from pipeline import distributed
-    from pipeline.checkpoint import TrainState
+    from pipeline.checkpoint.restore import TrainState
 
     class Loader:
         def __init__(self, position: dict) -> None:
@@ -146,7 +146,7 @@ def test_step_actions_by_hand():
     """Which steps validate, log, checkpoint and so sync: log every 2, validate every 3, checkpoint every 4,
     7 steps; the first step logs, the last does everything, a stop signal checkpoints (and so syncs)."""
     from pipeline import config
-    from pipeline.train import step_actions
+    from pipeline.cadence import step_actions
 
     cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "train.val_every=3", "checkpoint.every_steps=4"])
     actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
@@ -162,7 +162,7 @@ def test_step_actions_with_a_checkpoint_clock():
     """checkpoint.every_minutes replaces every_steps: a step checkpoints when the ranks agreed the clock is
     due (asked at sync steps), at the last step and on a stop signal."""
     from pipeline import config
-    from pipeline.train import step_actions
+    from pipeline.cadence import step_actions
 
     cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "checkpoint.every_minutes=30"])
     assert not any(step_actions(cfg, step, 9).checkpoint for step in range(1, 9))
@@ -207,7 +207,7 @@ def test_staged_checkpoint_files_are_host_copies_taken_at_save_time():
 def test_step_actions_evals_at_multiples_of_eval_every_and_the_last_step():
     """Downstream evals: every eval_every steps and at the last; each one a sync step; none with eval_every=0."""
     from pipeline import config
-    from pipeline.train import step_actions
+    from pipeline.cadence import step_actions
 
     cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=5", "train.val_every=5", "train.eval_every=3"])
     actions = {step: step_actions(cfg, step, 7) for step in range(1, 8)}
@@ -226,7 +226,7 @@ def test_rng_preserved_leaves_the_training_streams_as_they_were():
     import torch
 
     from pipeline import distributed
-    from pipeline.checkpoint import rng_preserved
+    from pipeline.checkpoint.restore import rng_preserved
 
     distributed.init_model_parallel(tp=1, seed=5)
     random.seed(1), np.random.seed(2), torch.manual_seed(3)

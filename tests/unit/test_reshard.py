@@ -1,5 +1,5 @@
 """Resume at another TP size: the TP layout of every weight (pipeline.model.tp_layout), the join of TP parts
-the export uses, the layout as DeepSpeed's universal-checkpoint merge reads it (pipeline.reshard), and the
+the export uses, the layout as DeepSpeed's universal-checkpoint merge reads it (pipeline.checkpoint.reshard), and the
 resume policy's line for what cannot be re-split. The whole resume runs in
 tests/integration/test_elastic_resume.py."""
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeline import checkpoint, config, model_size
+from pipeline.checkpoint import restore
 from pipeline.config import ConfigError
 from pipeline.model.tp_layout import TPSplit, join, tp_split
 
@@ -106,7 +107,7 @@ def deepspeed_merge(tmp_path, info: dict, name: str, parts: list[torch.Tensor]) 
     ],
 )
 def test_deepspeeds_merge_reads_the_declared_layout(tmp_path, name):
-    from pipeline import reshard
+    from pipeline.checkpoint import reshard
 
     saved = config.load(TINY, [*REPLICATED_TP2, "model.vocab_size=50280"])  # padded to 50432 at TP=2
     now = config.load(TINY, ["model.vocab_size=50280"])  # 50304 at TP=1
@@ -132,23 +133,23 @@ def test_a_tp_change_needs_zero_partitions_and_says_so_in_one_line(tmp_path):
 
     tag, _ = saved_at(1)
     now = config.load(TINY, [f"run.output_dir={tmp_path / '1'}", *REPLICATED_TP2])
-    checkpoint.check_resume_policy(now, tag, saved_dp=1, dp=1)  # ZeRO-1: re-split at load
+    restore.check_resume_policy(now, tag, saved_dp=1, dp=1)  # ZeRO-1: re-split at load
     tag, _ = saved_at(0)
     now = config.load(TINY, [f"run.output_dir={tmp_path / '0'}", "parallel.zero_stage=0", *REPLICATED_TP2])
     with pytest.raises(ConfigError) as refused:
-        checkpoint.check_resume_policy(now, tag, saved_dp=1, dp=1)
+        restore.check_resume_policy(now, tag, saved_dp=1, dp=1)
     line = str(refused.value)
     assert "\n" not in line and "cannot resume at parallel.tp=2, the checkpoint was written at parallel.tp=1" in line
     assert "needs parallel.zero_stage 1 or 2 (saved at 0, this run 0)" in line and "resume with parallel.tp=1" in line
 
 
 def test_a_failed_conversion_is_one_line_and_leaves_nothing(tmp_path):
-    from pipeline import reshard
+    from pipeline.checkpoint import reshard
 
     cfg = config.load(TINY)
     tag = tmp_path / "checkpoints" / checkpoint.tag_for(3)
     tag.mkdir(parents=True)  # no DeepSpeed files at all
-    out = tmp_path / "checkpoints" / checkpoint.UNIVERSAL / tag.name
+    out = tmp_path / "checkpoints" / restore.UNIVERSAL / tag.name
     with pytest.raises(ConfigError) as failed:
         reshard.to_universal(tag, out, cfg, cfg)
     line = str(failed.value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TASKS_DIR = Path(__file__).parent / "eval" / "tasks"
+TASKS_DIR = Path(__file__).parent / "tasks"
 # hellaswag first: the paper's Table 3 order; the sizes below are the table's rows
 OFFLINE_TASKS = ("hellaswag", "piqa", "winogrande", "arc_easy")
 

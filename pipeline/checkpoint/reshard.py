@@ -112,7 +112,7 @@ def to_universal(tag_dir: Path, out: Path, saved: Config, now: Config) -> None:
 def converted(engine: Any, now: Config, tag_dir: Path, saved_config: Path, load_dir: Path) -> Path:
     """Collective: global rank 0 converts ``tag_dir`` (trained with the config in ``saved_config``: its TP
     size, the layers it replicated) into ``load_dir``; every rank returns ``load_dir`` or raises the same
-    one-line error. The engine must have been built with load_universal (checkpoint.reshards)."""
+    one-line error. The engine must have been built with load_universal (checkpoint.restore.reshards)."""
     import torch.distributed as dist
     import yaml
 
@@ -120,8 +120,8 @@ def converted(engine: Any, now: Config, tag_dir: Path, saved_config: Path, load_
 
     if not engine.load_universal_checkpoint():
         raise RuntimeError(
-            "pipeline/reshard.py: the engine was built without load_universal, but this resume changes the TP "
-            "or DP size; pipeline.train.build_engine must be told checkpoint.reshards(...)"
+            "pipeline/checkpoint/reshard.py: the engine was built without load_universal, but this resume changes the TP "
+            "or DP size; pipeline.train.build_engine must be told checkpoint.restore.reshards(...)"
         )
     failure: BaseException | None = None
     if dist.get_rank() == 0:

@@ -11,7 +11,7 @@ reader never sees a tag before its record, and a kill at any moment leaves the p
 ``latest``. At most one save is in flight: a save that comes due before the previous one committed waits
 for it, and the console says how long.
 
-Synchronous (``checkpoint.async_save: false``): pipeline.checkpoint.save, every rank blocked until
+Synchronous (``checkpoint.async_save: false``): pipeline.checkpoint.commit.save, every rank blocked until
 ``latest`` moved.
 
 Failure policy (both modes): a save that fails on any rank (disk full, I/O error) is removed, one warning
@@ -30,7 +30,8 @@ from typing import Any
 
 from pipeline import checkpoint, faults
 from pipeline.atomic import write_atomic
-from pipeline.checkpoint import TrainState
+from pipeline.checkpoint import commit
+from pipeline.checkpoint.restore import TrainState
 from pipeline.config import Config
 from pipeline.exit_codes import InfrastructureFault
 
@@ -106,8 +107,8 @@ class Saver:
     # --- the two ways of writing -------------------------------------------------------------------------
     def _save_synchronously(self, state: TrainState, final: bool) -> None:
         try:
-            tag = checkpoint.save(self.engine, self.cfg, state)
-        except checkpoint.CheckpointWriteError as e:
+            tag = commit.save(self.engine, self.cfg, state)
+        except commit.CheckpointWriteError as e:
             self._failed(checkpoint.tag_for(state.step), e.cause, final)
             return
         self.failed_in_a_row = 0
@@ -116,7 +117,7 @@ class Saver:
     def _stage(self, state: TrainState, final: bool) -> None:
         import torch.distributed as dist
 
-        tag, client_state, meta = checkpoint.begin_save(self.cfg, state)
+        tag, client_state, meta = commit.begin_save(self.cfg, state)
         job = InFlight(tag, state.step, meta, final, time.perf_counter())
         staged: list[tuple[str, Any]] = []
         try:
@@ -167,7 +168,7 @@ class Saver:
         job, self.in_flight = self.in_flight, None
         job.thread.join()
         ckpt_dir = self.cfg.checkpoint_dir
-        cause = checkpoint.agreed_failure(job.error, ckpt_dir, job.tag, self.group)
+        cause = commit.agreed_failure(job.error, ckpt_dir, job.tag, self.group)
         if cause is None:
             parts: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, job.files, group=self.group)
@@ -177,7 +178,7 @@ class Saver:
                     self._commit(job, {name: entry for part in parts for name, entry in part.items()})
                 except OSError as e:
                     error = e
-            cause = checkpoint.agreed_failure(error, ckpt_dir, job.tag, self.group)
+            cause = commit.agreed_failure(error, ckpt_dir, job.tag, self.group)
         if cause is not None:
             self._failed(job.tag, cause, job.final)
             return
@@ -195,7 +196,7 @@ class Saver:
                 files[path.name] = checkpoint.file_record(path)
         checkpoint.write_record(tag_dir, job.meta, dict(sorted(files.items())))
         write_atomic(self.cfg.checkpoint_dir / checkpoint.LATEST, job.tag)
-        checkpoint.prune(self.cfg.checkpoint_dir, self.cfg, keep=job.tag)  # marks a milestone, then prunes
+        commit.prune(self.cfg.checkpoint_dir, self.cfg, keep=job.tag)  # marks a milestone, then prunes
 
     def _failed(self, tag: str, cause: str, final: bool) -> None:
         """Every rank, the same arguments: one warning line, or the fault that ends the run."""

@@ -1,7 +1,6 @@
 """What validation and downstream evals cost a run: the "val + eval" lines of `prism plan`.
 
-Above pipeline.train (the steps that validate and evaluate are step_actions', the one owner of that rule), so
-pipeline.budget, which train imports, stays below it. Pure arithmetic, no torch.
+The steps that validate and evaluate are pipeline.cadence's answer (step_actions). Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ def aside_cost(cfg: Config, total_steps: int) -> dict[str, Any]:
     forward pass, a third of a training step's FLOPs per token (pipeline.model_size), so at one MFU
         share = (N_val x T_val + N_eval x T_eval) / 3 / (T_train + (N_val x T_val + N_eval x T_eval) / 3)
     of the run's wall time. N: how many the loop runs (step_actions); T_val: the tokens of every validation set
-    (Config.validation_sets()) in whole rows (pipeline.data.load_val_tokens); T_eval: the input tokens of eval_tasks at eval_limit (pipeline.eval_catalog,
+    (Config.validation_sets()) in whole rows (pipeline.data.load_val_tokens); T_eval: the input tokens of eval_tasks at eval_limit (pipeline.eval.catalog,
     GPT-NeoX BPE counts); T_train: the tokens trained."""
-    from pipeline.eval_catalog import eval_tokens
-    from pipeline.train import step_actions
+    from pipeline.cadence import step_actions
+    from pipeline.eval.catalog import eval_tokens
 
     t = cfg.train
     actions = [step_actions(cfg, step, total_steps) for step in range(1, total_steps + 1)]
