@@ -143,6 +143,7 @@ start() {
   command -v "$MLFLOW" >/dev/null || die "mlflow executable '$MLFLOW' not found; run 'make setup' or set MLFLOW"
   port_free || die "port $PORT on $HOST is already in use by another process (another mlflow server?); stop it or set MLFLOW_SERVER_PORT"
   if [ "$app" = basic-auth ]; then
+    [[ $ADMIN =~ ^[A-Za-z0-9._@-]+$ ]] || die "MLFLOW_ADMIN_USER=$(printf %q "$ADMIN") is not a user name (letters, digits, . _ @ -)"
     secret_file "admin password" "$PASSWORD_FILE" MLFLOW_ADMIN_PASSWORD_FILE
     secret_file "Flask secret key" "$SECRET_FILE" MLFLOW_SECRET_KEY_FILE
   fi

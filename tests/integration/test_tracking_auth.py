@@ -105,6 +105,10 @@ def test_start_without_a_private_password_file_fails_in_one_line(tmp_path):
     out.append(server._run("start", "--auth"))
     cases.append(("unknown option", "unknown option '--tls'"))
     out.append(server._run("start", "--tls"))
+    Path(server.env["MLFLOW_SECRET_KEY_FILE"]).chmod(0o600)
+    server.env["MLFLOW_ADMIN_USER"] = "admin\ndefault_permission = MANAGE"  # would rewrite the auth config
+    cases.append(("admin name", "is not a user name"))
+    out.append(server._run("start", "--auth"))
     for (name, cause), result in zip(cases, out):
         assert result.returncode == 2, f"{name}: {result.stdout}{result.stderr}"
         (line,) = result.stderr.strip().splitlines()
