@@ -206,3 +206,11 @@ def test_journal_buffered_offline_syncs_to_the_authenticated_server(auth_server,
     assert run.info.run_name == cfg.run_name and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == steps
     assert texts_holding(tmp_path, [BOB_PASSWORD, ADMIN_PASSWORD]) == [str(bob_file)]
+
+
+def test_a_plain_start_refuses_while_the_auth_server_runs(auth_server):
+    out = auth_server._run("start")  # "already running" here would let a user believe the server is open
+    assert out.returncode == 2, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "running as 'basic-auth', not 'plain'" in line
+    assert auth_server._run("start", "--auth").returncode == 0 and auth_server.running()
