@@ -64,10 +64,13 @@ secret_file() {
 auth_config() {
   # The basic-auth app's config: nobody sees anything unless granted; the user database beside the store.
   # No password in it: the admin's comes from MLFLOW_AUTH_ADMIN_PASSWORD in the server's environment.
+  # Checking a password costs a scrypt hash (0.1-0.7 s of CPU) per request, and every logged step is a
+  # request: a checked password is remembered for 60 s. With one worker a password change or a deleted
+  # user through the API takes effect at once all the same (MLflow drops the entry).
   local dir_abs=$1
   printf '%s\n' "[mlflow]" "default_permission = NO_PERMISSIONS" "database_uri = sqlite:///$dir_abs/basic_auth.db" \
     "admin_username = $ADMIN" "authorization_function = mlflow.server.auth:authenticate_request_basic_auth" \
-    >"$dir_abs/basic_auth.ini.tmp"
+    "auth_cache_ttl_seconds = 60" >"$dir_abs/basic_auth.ini.tmp"
   mv "$dir_abs/basic_auth.ini.tmp" "$dir_abs/basic_auth.ini"
 }
 

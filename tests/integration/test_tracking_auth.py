@@ -185,12 +185,18 @@ def test_a_granted_user_trains_others_are_refused_and_no_password_is_written(
     assert held == [auth_server.env["MLFLOW_ADMIN_PASSWORD_FILE"]], held
 
 
-def test_journal_buffered_offline_syncs_to_the_authenticated_server(auth_server, tmp_path, monkeypatch):
+def test_journal_buffered_offline_syncs_to_the_authenticated_server(auth_server, tmp_path, monkeypatch, caplog):
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = tiny_cfg(tmp_path, "uniform", [f"tracking.uri={dead}", f"tracking.experiment={EXPERIMENT}"])
     steps, losses = [1, 2, 3], fake_val_losses(3)
     tracker = MlflowTracker(cfg)
-    assert tracker.start(cfg) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "41")  # a job that got the password through its environment is told so
+    as_user(monkeypatch, "bob", BOB_PASSWORD)
+    with caplog.at_level("WARNING", logger="prism.tracking"):
+        assert tracker.start(cfg) is None
+    assert "MLFLOW_TRACKING_PASSWORD is in this Slurm job's environment" in caplog.text
+    assert BOB_PASSWORD not in caplog.text
+    monkeypatch.delenv("SLURM_JOB_ID")
     log_steps(tracker, steps, losses, cfg.train.batch_tokens)
     tracker.finish()
     pending = len(Journal(cfg.checkpoint_dir).pending())
