@@ -180,7 +180,7 @@ start() {
   local t=0
   until healthy && ours "$pid"; do
     if ! kill -0 "$pid" 2>/dev/null; then
-      rm -f "$PIDFILE"
+      rm -f "$PIDFILE" "$APPFILE"
       die "server exited during start-up (port $PORT taken by another process?); last log line: $(tail -n 1 "$LOG")"
     fi
     if [ "$t" -ge "$WAIT" ]; then
@@ -196,7 +196,7 @@ start() {
 stop() {
   local pid
   if ! pid=$(running_pid); then
-    rm -f "$PIDFILE"
+    rm -f "$PIDFILE" "$APPFILE"
     echo "mlflow_server: not running"
     return 0
   fi
@@ -212,7 +212,7 @@ stop() {
 
 status() {
   if pid=$(running_pid) && healthy && ours "$pid"; then
-    echo "mlflow_server: running (pid $pid) at $URL"
+    echo "mlflow_server: running (pid $pid, $(cat "$APPFILE" 2>/dev/null || echo plain)) at $URL"
   else
     echo "mlflow_server: not running ($URL)"
     return 1
