@@ -72,7 +72,21 @@ def commands(body: str) -> list[str]:
 
 
 # Commands that are not ours: their flags can't be checked here, only that the docs name them on purpose.
-EXTERNAL = {"scancel", "squeue", "sacct", "scontrol", "mlflow", "optuna-dashboard", "pip", "git", "cd", "export"}
+EXTERNAL = {
+    "scancel",
+    "squeue",
+    "sacct",
+    "scontrol",
+    "mlflow",
+    "optuna-dashboard",
+    "pip",
+    "git",
+    "cd",
+    "export",
+    "mkdir",
+    "umask",
+    "openssl",
+}
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 

@@ -91,6 +91,8 @@ EXAMPLES = {
     "train": "prism train configs/tiny_prism.yaml run.seed=2 train.train_tokens=81920",
     "profile": "prism profile runs/prism-tiny-s1234 --steps 2",
     "tracking sync": "prism tracking sync runs/prism-tiny-s1234 --tracking-uri http://127.0.0.1:5000",
+    "tracking grant": "prism tracking grant alice --experiment prism-tiny --tracking-uri http://127.0.0.1:5000 "
+    "--password-file -",
     "compare": "prism compare --experiment prism-tiny --tracking-uri sqlite:///runs/mlflow.db",
     "scaling": "prism scaling --experiment prism-ladder-w64 prism-ladder-w128 prism-ladder-w192 "
     "--tracking-uri sqlite:///runs/ladder/mlflow.db",

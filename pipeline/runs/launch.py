@@ -28,8 +28,10 @@ import submitit
 from pipeline.config import ConfigError
 from pipeline.distributed import local_run_env
 from pipeline.exit_codes import EXIT_STOPPED
+from pipeline.redaction import redact_text
 from pipeline.runs.outcome import EXIT_FILE
 from pipeline.runs.plan import train_command
+from pipeline.tracking import store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,6 +173,9 @@ class TrainJob(submitit.helpers.Checkpointable):
     """One run as a submitit job: `prism train CONFIG OVERRIDES` under torchrun on every node of the job."""
 
     def __init__(self, config_path: str, overrides: list[str], nproc_per_node: int = 0, grace_s: int = 150):
+        # A job's overrides go into submitit's pickle and onto torchrun's command line (`ps` shows it).
+        if held := next((o for o in overrides if redact_text(o) != o), None):
+            raise ConfigError(f"{redact_text(held)}: a password in a job's override; {store.CREDENTIALS_ADVICE}")
         self.config_path, self.overrides = config_path, list(overrides)
         self.nproc_per_node, self.grace_s = nproc_per_node, grace_s
         self._proc: subprocess.Popen | None = None
@@ -281,6 +286,11 @@ def make_executor(
 ) -> submitit.Executor:
     if executor not in ("slurm", "local"):
         raise ConfigError(f"sweep: executor={executor!r}; use 'slurm' or 'local'")
+    if executor == "slurm" and (secret := store.secret_env_name()):
+        raise ConfigError(
+            f"{secret} is set: sbatch would copy it into every job's environment, which Slurm may store "
+            f"(AccountingStoreFlags=job_env); unset it and {store.CREDENTIALS_ADVICE}"
+        )
     ex = submitit.AutoExecutor(
         folder=folder / "submitit" / "%j", cluster=executor, slurm_max_num_timeout=max_num_timeout
     )

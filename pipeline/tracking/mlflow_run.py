@@ -155,6 +155,13 @@ class MlflowTracker:
                 run_id,
                 state["run_id"],
             )
+        if os.environ.get("SLURM_JOB_ID") and (secret := store.secret_env_name()):
+            log.warning(
+                "tracking: %s is in this Slurm job's environment, which Slurm may store (AccountingStoreFlags="
+                "job_env); %s",
+                secret,
+                store.CREDENTIALS_ADVICE,
+            )
         shown_uri = redact_uri(self.uri)  # the state file never holds a password; sync takes it from the env
         if run_id is not None:
             self.journal.save_state(run_id=run_id, uri=shown_uri, experiment=cfg.experiment)

@@ -32,6 +32,17 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 
 log = logging.getLogger("prism.tracking")
 
+# Slurm copies the submitting environment into each job (sbatch's default --export=ALL), and a cluster with
+# AccountingStoreFlags=job_env keeps that environment in its accounting database, long after the job.
+SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+CREDENTIALS_ADVICE = "put the credentials in ~/.mlflow/credentials (mode 0600; docs/tracking.md) instead"
+
+
+def secret_env_name(environ: dict[str, str] | None = None) -> str | None:
+    """The first MLflow secret set in ``environ`` (default: this process's), or None."""
+    environ = os.environ if environ is None else environ
+    return next((name for name in SECRET_ENV if environ.get(name)), None)
+
 
 def resolve_uri(uri: str | None, output_dir: str | Path) -> str:
     """The MLflow URI for a configured ``uri`` (see the module docstring); ``output_dir`` serves null."""
