@@ -15,7 +15,7 @@ import yaml
 
 from pipeline.config.errors import ConfigError
 from pipeline.config.resume_keys import MODEL_OR_DATA_KEYS, flatten, in_scope, with_compact_schedule
-from pipeline.config.schema import REQUIRED, Config, RunConfig, schema_default
+from pipeline.config.schema import REQUIRED, Config, DataConfig, RunConfig, schema_default
 
 
 def _type_name(tp: Any) -> str:
@@ -157,6 +157,33 @@ def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, str) and "{output_dir}" in value:
             node[key] = value.replace("{output_dir}", out_dir)
     return data
+
+
+def relocate(cfg: Config, output_dir: str | Path) -> list[str]:
+    """The overrides that move a loaded run to ``output_dir`` (a search trial's folder, a schedule's, the same
+    folder spelled absolute for a job that starts in another directory) and keep its data where the data is.
+    Its data paths, `{output_dir}` ones included, were expanded on load against the folder it had; here each
+    local one becomes absolute (resolved in this directory), so neither the move nor the job's cwd moves it:
+    data.dataset_dir, data.tokenizer, data.input and each of data.val_sets' dataset_dir and input."""
+    d = cfg.data
+    paths = {"data.dataset_dir": d.dataset_dir, "data.tokenizer": d.tokenizer, "data.input": d.input}
+    for name, spec in d.val_sets.items():
+        paths[f"data.val_sets.{name}.dataset_dir"] = spec.dataset_dir
+        if spec.input is not None:
+            paths[f"data.val_sets.{name}.input"] = spec.input
+    pinned = [f"run.output_dir={Path(output_dir).expanduser().resolve()}"]
+    for key, value in paths.items():
+        pinned.append(f"{key}={Path(value).expanduser().resolve() if _is_local(key, value, d) else value}")
+    return pinned
+
+
+def _is_local(key: str, value: str, data: DataConfig) -> bool:
+    """Whether a data path names a file or folder here; else a Hub name or a URL, the same from anywhere. A
+    dataset folder, a tokenizer .json and an embedded corpus are files even before `prism prepare` makes them."""
+    if "://" in value:
+        return False
+    embedded_input = key.endswith("input") and data.input_format == "embedded"
+    return key.endswith("dataset_dir") or value.endswith(".json") or embedded_input or Path(value).exists()
 
 
 # The project's own presets: where a `base:` is looked for when it is not next to the file (a copied preset).
