@@ -55,7 +55,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is tuple:  # a YAML list, kept as a tuple so the loaded config stays immutable
         item = typing.get_args(tp)[0]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+            spelled = f"[{value}]" if isinstance(value, str | int | float) else "[a, b]"
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}; write it as {spelled}")
         return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
