@@ -171,7 +171,7 @@ def test_single_process_trains_logs_and_checkpoints(reference):
     assert last["train/loss"] < first["train/loss"] and math.isfinite(last["val/loss"])
     assert "val/loss" in m[3] and "val/loss" not in m[2]
     trained = ("train/lr", "train/grad_norm", "train/tokens_seen")
-    for key in (*trained, "perf/tokens_per_sec", "perf/step_time", "perf/memory_gb"):
+    for key in (*trained, "perf/train_tokens_per_sec", "perf/step_time", "perf/memory_gb"):
         assert key in last
     assert last["train/tokens_seen"] == STEPS * 1024
     assert {key.split("/")[0] for key in last if key not in ("step", "time")} <= {"train", "val", "perf", "data"}
