@@ -80,12 +80,11 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
     from pipeline import compat
 
     t = cfg.train
-    # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam (~80 s) and differs per device.
+    # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam at start and differs per device.
     # Under ZeRO-1/2 DeepSpeed swaps each group's params for one flat fp32 partition and steps THIS optimizer
     # on it (stage_1_and_2.py: optimizer.param_groups[i]["params"] = [flat fp32 partition]), so a fused
     # AdamW runs one kernel over each flat group. Fused on CPU too: it is the kernel that can skip a step on
-    # the device (pipeline.skipping), and ~10x faster than the per-tensor loop there (32 -> 3.4 ms per step
-    # over 5M fp32 values on 2 cores; the two differ by an ulp).
+    # the device (pipeline.skipping), and much faster than the per-tensor loop there (the two differ by an ulp).
     return compat.SkipStepAdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
     )

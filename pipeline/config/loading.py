@@ -1,5 +1,8 @@
-"""Loading a config: YAML presets with `base:` overlays, dotted overrides, the type coercer that checks every
-value against the schema's annotations, and `load` / `from_dict`, which build (and so validate) a Config."""
+"""Loading a config: YAML presets with `base:` overlays (`read_yaml`, found by `find_preset`), dotted overrides,
+the `{output_dir}` expansion of path keys, the type coercer that checks every value against the schema's
+annotations, and `load` / `from_dict`, which build (and so validate) a Config. Around a loaded one:
+`relocate` (the overrides that move a run to another folder, its data staying put) and `changed_keys` (what
+a resume compares)."""
 
 from __future__ import annotations
 
