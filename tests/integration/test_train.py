@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -176,6 +177,7 @@ def test_single_process_trains_logs_and_checkpoints(reference):
     assert last["train/tokens_seen"] == STEPS * 1024
     assert {key.split("/")[0] for key in last if key not in ("step", "time")} <= {"train", "val", "perf", "data"}
     assert "step      6/6 | tokens 6,144 | loss" in stdout and "| val " in stdout
+    assert re.search(r"\| [\d,]+ train tok/s \|", stdout)  # the rate perf/train_tokens_per_sec logs
     ckpt = checkpoint_dir(out)
     assert (ckpt / "latest").read_text() == f"step-{STEPS:07d}"
     assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{CKPT_EVERY:07d}", f"step-{STEPS:07d}"]
