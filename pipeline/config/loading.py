@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -167,7 +168,7 @@ def relocate(cfg: Config, output_dir: str | Path) -> list[str]:
     """The overrides that move a loaded run to ``output_dir`` (a search trial's folder, a schedule's, the same
     folder spelled absolute for a job that starts in another directory) and keep its data where the data is.
     Its data paths, `{output_dir}` ones included, were expanded on load against the folder it had; here each
-    local one becomes absolute (resolved in this directory), so neither the move nor the job's cwd moves it:
+    local one becomes absolute (from this directory), so neither the move nor the job's cwd moves it:
     data.dataset_dir, data.tokenizer, data.input and each of data.val_sets' dataset_dir and input."""
     d = cfg.data
     paths = {"data.dataset_dir": d.dataset_dir, "data.tokenizer": d.tokenizer, "data.input": d.input}
@@ -175,10 +176,15 @@ def relocate(cfg: Config, output_dir: str | Path) -> list[str]:
         paths[f"data.val_sets.{name}.dataset_dir"] = spec.dataset_dir
         if spec.input is not None:
             paths[f"data.val_sets.{name}.input"] = spec.input
-    pinned = [f"run.output_dir={Path(output_dir).expanduser().resolve()}"]
+    pinned = [f"run.output_dir={_absolute(output_dir)}"]
     for key, value in paths.items():
-        pinned.append(f"{key}={Path(value).expanduser().resolve() if _is_local(key, value, d) else value}")
+        pinned.append(f"{key}={_absolute(value) if _is_local(key, value, d) else value}")
     return pinned
+
+
+def _absolute(path: str | Path) -> str:
+    """Absolute from this directory, symlinks kept as spelled (a linked data folder keeps its name)."""
+    return os.path.abspath(Path(path).expanduser())
 
 
 def _is_local(key: str, value: str, data: DataConfig) -> bool:

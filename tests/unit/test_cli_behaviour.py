@@ -88,8 +88,10 @@ def test_a_moved_run_keeps_its_data_where_the_data_is(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     preset = ROOT / "configs/tiny_prism.yaml"
     cfg = config.load(preset)  # run.output_dir=runs, relative to this directory
-    moved = config.load(preset, config.relocate(cfg, "trials/t000"))
     here = tmp_path / "runs" / "data"
+    here.mkdir(parents=True)
+    (here / "embedded-bpe8k-256").symlink_to(tmp_path)  # a linked data folder keeps the name it was given
+    moved = config.load(preset, config.relocate(cfg, "trials/t000"))
     assert moved.run.output_dir == str(tmp_path / "trials" / "t000")
     assert (moved.data.dataset_dir, moved.data.tokenizer, moved.data.input) == (
         str(here / "embedded-bpe8k-256"),
