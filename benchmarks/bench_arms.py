@@ -9,7 +9,7 @@ a torch-profiler split of step time, and each layer's forward and backward time 
 Each arm is one `prism train` (pipeline.cli) under torchrun (NCCL on GPU, gloo on CPU), DeepSpeed ZeRO as the
 preset says, on a synthetic dataset of uniform random tokens written in the prepared-data format (manifest +
 webdataset shards), so the loader, the engine, the step and the logging are the trainer's own. Figures come
-from the trainer's metrics.jsonl (perf/tokens_per_sec, perf/mfu, perf/mfu_causal, perf/memory_gb) and its log (the SDPA kernel
+from the trainer's metrics.jsonl (perf/train_tokens_per_sec, perf/mfu, perf/mfu_causal, perf/memory_gb) and its log (the SDPA kernel
 chosen per head dim, pipeline.model.sdpa_backend); nothing is recomputed here. The last --profile-steps
 training steps run under torch.profiler (self time per op: device kernels on CUDA, CPU ops on CPU) and are
 left out of tokens/s (with the profiler's own warm-up step before them), as are the first --warmup steps.
@@ -168,7 +168,7 @@ def run_arm(args, config_path: str, overrides: list[str], workdir: Path) -> dict
     if rc != 0:
         raise SystemExit(f"bench_arms: {config_path} exited {rc}; last lines of {log_path}:\n" + text[-3000:])
     rows = [json.loads(line) for line in (cfg.checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "perf/tokens_per_sec" in r]
+    rows = [r for r in rows if "perf/train_tokens_per_sec" in r]
     # the profiler's own warm-up step runs traced too: leave it out with the profiled steps
     counted = rows[args.warmup : len(rows) - args.profile_steps - 1] or rows
     found = SDPA_LOG.search(text)
@@ -184,7 +184,7 @@ def run_arm(args, config_path: str, overrides: list[str], workdir: Path) -> dict
         "heads_per_layer": list(cfg.heads_per_layer),
         "steps_logged": len(rows),
         "steps_counted": len(counted),
-        "tokens_per_sec": median("perf/tokens_per_sec"),
+        "tokens_per_sec": median("perf/train_tokens_per_sec"),
         "step_time_s": median("perf/step_time"),
         "mfu": median("perf/mfu"),
         "mfu_causal": median("perf/mfu_causal"),

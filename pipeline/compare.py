@@ -4,7 +4,7 @@ Per (scale, arm, schedule): runs, final val loss mean ± std over seeds (sample 
 run); for each Prism schedule Δ = Prism − uniform with a 95 % CI and two-sided p-value (paired by seed when
 both ran the same seeds on the same data order, Welch otherwise; pipeline.statistics) and the seeds that
 effect and noise would need for 80 % power; tokens and steps to first reach each val-loss milestone (mean ±
-std over the runs that reached it, plus how many did not); tokens/s = tokens after the first step over the
+std over the runs that reached it, plus how many did not); run tokens/s = tokens after the first step over the
 wall time from the first to the last logged step, with a note when runs overlapped in time on one host
 (they shared its cores, so their speeds are not comparable). Writes Markdown,
 CSV and two PNGs per scale (val loss vs tokens with ±1 std seed bands; Δ val loss vs tokens on a common
@@ -53,7 +53,7 @@ class RunSeries:
     seed: str
     status: str
     val: list[tuple[int, float, float]]  # (step, tokens, val loss), one entry per step
-    tokens_per_sec: float  # tokens after the first logged step / wall time from it to the last logged step
+    run_tokens_per_sec: float  # tokens after the first logged step / wall time from it to the last logged step
     milestones: dict[float, tuple[float, float] | None] = field(default_factory=dict)  # x -> (tokens, step)
     schedule: str = ""  # compact head schedule, e.g. 3x2,6x2,12x4
     data_order: str = ""  # what fixes the batch sequence besides the seed: same value + same seed = pairable
@@ -88,7 +88,7 @@ def data_order(params: dict[str, str]) -> str:
 
 
 def throughput(history: list[Any]) -> tuple[float, tuple[float, float]]:
-    """train/tokens_seen history -> (tokens/s after the first logged step, (first, last) timestamp in seconds).
+    """train/tokens_seen history -> (run tokens/s after the first logged step, (first, last) timestamp in seconds).
 
     The first step is left out (it carries graph building and warm-up); validation and checkpoint time
     between logged steps stay in: this is what a run really takes per token. A gap between two logged
@@ -231,10 +231,10 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
         groups = [("uniform", uniform)] if uniform else []
         for sched in sorted({r.schedule for r in at_scale if r.arm == "prism"}):
             groups.append(("prism", [r for r in at_scale if r.arm == "prism" and r.schedule == sched]))
-        uniform_speed = statistics.mean_std([r.tokens_per_sec for r in uniform])[0]
+        uniform_speed = statistics.mean_std([r.run_tokens_per_sec for r in uniform])[0]
         for arm, group in groups:
             final_mean, final_std = statistics.mean_std([r.final_val_loss for r in group])
-            speed = statistics.mean_std([r.tokens_per_sec for r in group])[0]
+            speed = statistics.mean_std([r.run_tokens_per_sec for r in group])[0]
             diff = arm_difference(uniform, group) if arm == "prism" and uniform else None
             needed = seeds_for(diff, uniform, group) if diff else None
             row: dict[str, Any] = {
@@ -247,8 +247,8 @@ def summarize(runs: list[RunSeries]) -> list[dict[str, Any]]:
                 "final_val_loss_std": final_std,
                 **statistics.difference_columns(diff),
                 "seeds_needed_80pct_power": "" if needed is None else needed,
-                "tokens_per_sec_mean": speed,
-                "tokens_per_sec_ratio": speed / uniform_speed if arm == "prism" and uniform_speed else math.nan,
+                "run_tokens_per_sec_mean": speed,
+                "run_tokens_per_sec_ratio": speed / uniform_speed if arm == "prism" and uniform_speed else math.nan,
             }
             thresholds = sorted({x for r in group for x in r.milestones}, reverse=True)
             for x in thresholds:
@@ -272,29 +272,29 @@ def markdown(rows: list[dict[str, Any]], experiment: str, busy: list[str] | None
         f"## Arms comparison: {experiment}",
         "",
         "| scale | arm | schedule | seeds | final val loss (mean ± std) | Δ Prism − uniform [95 % CI] | p (test) "
-        "| seeds for 80 % power | tokens/s | tokens/s ratio |",
+        "| seeds for 80 % power | run tokens/s | run tokens/s ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta, p = statistics.difference_cells(r)
-        ratio = "" if math.isnan(r["tokens_per_sec_ratio"]) else f"{r['tokens_per_sec_ratio']:.3f}"
+        ratio = "" if math.isnan(r["run_tokens_per_sec_ratio"]) else f"{r['run_tokens_per_sec_ratio']:.3f}"
         out.append(
             f"| {r['scale']} | {r['arm']} | {r['schedule']} | {r['runs']} "
             f"| {_fmt(r['final_val_loss_mean'], r['final_val_loss_std'])} | {delta} | {p} | {_needed_cell(r)} "
-            f"| {r['tokens_per_sec_mean']:.0f} | {ratio} |"
+            f"| {r['run_tokens_per_sec_mean']:.0f} | {ratio} |"
         )
     out += [
         "",
         "Val loss in nats per token; std = sample std over seeds. Δ < 0: Prism better. The test is paired by "
         "seed when both arms ran the same seeds on the same data order, Welch's otherwise; \"seeds for 80 % "
         'power" = seeds per arm a two-sided 5 % test needs to detect the observed Δ given the observed noise.',
-        "tokens/s = tokens after the first step / wall time from the first to the last logged step "
-        "(validation and checkpoints included).",
+        "run tokens/s = tokens after the first step / wall time from the first to the last logged step "
+        "(validation and checkpoints included; a step line's train tok/s leaves them out).",
     ]
     if busy:
         out.append(
             f"Note: runs {', '.join(busy)} overlapped in time on one machine and shared its cores: "
-            "their tokens/s (and the ratio) measure the contention, not the arms."
+            "their run tokens/s (and the ratio) measure the contention, not the arms."
         )
     out += [
         "",

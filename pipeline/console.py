@@ -119,15 +119,15 @@ def duration(seconds: float) -> str:
 # --- the trainer's step line: rate and ETA -----------------------------------------------------------------
 @dataclass
 class Pace:
-    tokens_per_sec: float  # training only: validation and checkpoint time left out
+    train_tokens_per_sec: float  # since the last line, training only: validation and checkpoint time left out
     elapsed: float  # seconds since training started in this process
     eta: float  # remaining steps at the training rate + the validations and checkpoints still to come
 
 
 class Progress:
     """What the step line says about speed. Training time is what the loop measured for its steps and hands
-    over with ``trained(seconds)``: the one clock perf/step_time is read from, so the line's tok/s and the
-    logged perf/tokens_per_sec agree and a validation step does not look slow. The ETA adds the validations,
+    over with ``trained(seconds)``: the one clock perf/step_time is read from, so the line's train tok/s and
+    the logged perf/train_tokens_per_sec agree and a validation step does not look slow. The ETA adds the validations,
     evals and checkpoints still to come at their measured mean cost (``with progress.aside("validation")``,
     ``"eval"``, ``"checkpoint"``; a validation or eval not yet measured: a forward pass over its tokens, a
     third of a training step per token). ``clock`` (elapsed time and the aside timings) is injectable so the

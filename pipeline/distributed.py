@@ -133,9 +133,9 @@ def die_with_launcher() -> None:
     """Under torchrun: the kernel SIGKILLs this worker when its agent dies (Linux PR_SET_PDEATHSIG).
 
     torchrun kills its workers after their grace, but Slurm can signal a step's processes twice, and the
-    second signal kills torchrun inside that grace: a hung rank, which ignores SIGTERM, was then orphaned. It
-    held its GPU and the step's output, and proctrack/linuxproc's KillWait does not reach an orphan, so the
-    step ended only when slurmstepd gave up on its output 60 s later (and the rank lived on)."""
+    second signal may kill torchrun inside that grace. Without this, a hung rank that ignores SIGTERM would
+    outlive it as an orphan holding its GPU and the step's output, which proctrack/linuxproc's KillWait does
+    not reach."""
     import sys
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):

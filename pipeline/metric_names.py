@@ -3,7 +3,8 @@
 One prefix per kind, so MLflow's chart view files each kind in its own section:
     train/  what the optimisation does: loss, lr, grad_norm, tokens_seen, skipped_steps (pipeline.skipping)
     val/    held-out loss: val/loss on the run's own val split, val/<name>/loss on each of data.val_sets
-    perf/   how fast and how big: tokens_per_sec, step_time, mfu, mfu_causal, memory_gb; rank_time_max,
+    perf/   how fast and how big: train_tokens_per_sec (training time only, over the steps since the last
+            logged one: the step line's train tok/s), step_time, mfu, mfu_causal, memory_gb; rank_time_max,
             rank_time_median, slowest_rank (pipeline.stragglers)
     eval/   zero-shot scores, eval/<task>/<acc|acc_norm|bpb> (bpb: bits per byte of the gold answers)
 The data budget of a start (data/epochs, data/tokens_per_epoch) is constant over a run, so it is logged as params

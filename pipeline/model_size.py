@@ -6,7 +6,8 @@ Pure arithmetic on plain numbers and the config, no torch, nothing of ours impor
 schedule's layer table and `prism plan` answer without loading a framework.
 
 Conventions: a multiply-add is 2 FLOPs; training is forward + backward = 3 x forward; attention's score and
-weighted-sum matmuls are counted in full (PaLM's convention; pipeline.hardware derives the causal count).
+weighted-sum matmuls are counted in full (PaLM's convention); ``causal=True`` halves them for perf/mfu_causal
+(pipeline.hardware says why both are logged).
 Per layer h_l * d_h = d_model, so neither parameters nor FLOPs depend on the head count: that is Prism's
 neutrality argument, and why ``heads`` is an argument that the formulas do not use beyond d_h.
 """

@@ -38,7 +38,7 @@ def _blas() -> ThreadpoolController:
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
     """OpenBLAS held to one thread: the small products and L-BFGS-B steps here cost far more threaded on a busy
-    machine (measured: 16 small fits took 10.5 s threaded against 0.2 s on one thread, on 2 loaded cores)."""
+    machine (the threads' hand-offs outweigh matrices this small)."""
     with _blas().limit(limits=1, user_api="blas"):
         yield
 

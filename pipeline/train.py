@@ -80,12 +80,11 @@ def make_optimizer(cfg: Config, model: Any) -> Any:
     from pipeline import compat
 
     t = cfg.train
-    # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam (~80 s) and differs per device.
+    # A client torch AdamW: DeepSpeed's own "AdamW" would JIT-build FusedAdam at start and differs per device.
     # Under ZeRO-1/2 DeepSpeed swaps each group's params for one flat fp32 partition and steps THIS optimizer
     # on it (stage_1_and_2.py: optimizer.param_groups[i]["params"] = [flat fp32 partition]), so a fused
     # AdamW runs one kernel over each flat group. Fused on CPU too: it is the kernel that can skip a step on
-    # the device (pipeline.skipping), and ~10x faster than the per-tensor loop there (32 -> 3.4 ms per step
-    # over 5M fp32 values on 2 cores; the two differ by an ulp).
+    # the device (pipeline.skipping), and much faster than the per-tensor loop there (the two differ by an ulp).
     return compat.SkipStepAdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
     )
@@ -345,7 +344,7 @@ def log_step(
     pace: Pace | None = None,
     stragglers: dict[str, float] | None = None,
 ) -> None:
-    """Metrics to the tracker and, on rank 0, one console line; its tok/s and ETA are ``pace``'s (the
+    """Metrics to the tracker and, on rank 0, one console line; its train tok/s and ETA are ``pace``'s (the
     training rate over the steps since the last line, console.Progress); ``stragglers``: the slowest rank's
     numbers (pipeline.stragglers), named on the line when it is notably slower. ``val_losses``: metric -> loss of
     each validation set scored at this step (none: not a validation step)."""
@@ -363,7 +362,7 @@ def log_step(
         "train/lr": result.lr,
         "train/grad_norm": result.grad_norm,
         "train/tokens_seen": state.tokens_seen,
-        "perf/tokens_per_sec": tok_s,
+        "perf/train_tokens_per_sec": tok_s,
         "perf/step_time": result.seconds,
         "perf/memory_gb": memory_gb(device),
         "train/skipped_steps": result.skipped_total,
@@ -375,12 +374,12 @@ def log_step(
     if dist.get_rank() == 0:
         timing = ""
         if pace is not None:
-            tok_s = pace.tokens_per_sec
+            tok_s = pace.train_tokens_per_sec
             timing = f" | {duration(pace.elapsed)} elapsed, ETA {duration(pace.eta)}"
         print(
             f"step {state.step:>6}/{total_steps} | tokens {state.tokens_seen:,} | loss {result.loss:.4f}"
             + "".join(f" | {name.removesuffix('/loss')} {v:.4f}" for name, v in val_losses.items())
-            + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} tok/s"
+            + f" | lr {result.lr:.3e} | grad_norm {result.grad_norm:.3f} | {tok_s:,.0f} train tok/s"
             + timing
             + (f" | mfu {100 * utilisation['perf/mfu']:.1f}%" if utilisation else "")
             + f" | mem {metrics['perf/memory_gb']:.2f} GB"

@@ -6,9 +6,9 @@ plus ``config.yaml`` and ``integrity.json`` (every file's size and sha256, writt
 ``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp + rename) only after every rank
 has finished writing and the integrity record is on disk, so a checkpoint killed half-way is never picked up.
 
-Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "dp_size", "skips"}}``. DeepSpeed writes it
-only from DP rank 0, so the per-rank parts of the train state (loader position, RNG states) are gathered to
-every rank first and stored as one list indexed by global rank.
+Client state: the dict `commit.begin_save` builds (its one writer; `read_weights` hands it back as read).
+DeepSpeed writes it only from DP rank 0, so the per-rank parts of the train state (loader position, RNG
+states) are gathered to every rank first and stored as one list indexed by global rank.
 
 The package's rooms: this file (names, ``latest``, the integrity record, reading weights: what every reader
 needs), `restore` (where a run resumes, what a resume may change, the train state, loading), `commit` (writing

@@ -97,7 +97,7 @@ def pre_step_grad_norm(wrapper: Any) -> Any:
 
 def import_deepspeed():
     """Import DeepSpeed with our defaults: CPU accelerator without CUDA, a persistent JIT cache, and no
-    shared-memory comm-op build on CPU (a ~40 s g++ JIT on first use; gloo does the collectives anyway)."""
+    shared-memory comm-op build on CPU (a g++ JIT on first use; gloo does the collectives anyway)."""
     import importlib
     import sys
 

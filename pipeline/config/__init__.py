@@ -31,6 +31,7 @@ from pipeline.config.loading import (
     parse_override,
     preset_name,
     read_yaml,
+    relocate,
 )
 from pipeline.config.resume_keys import EXECUTION_ONLY_KEYS, MODEL_OR_DATA_KEYS, RECIPE_KEYS, flatten, result_hash
 from pipeline.config.rules import (
@@ -95,6 +96,7 @@ __all__ = [
     "apply_overrides",
     "changed_keys",
     "expand_output_dir",
+    "relocate",
     "find_preset",
     "flatten",
     "result_hash",

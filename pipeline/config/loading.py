@@ -1,11 +1,15 @@
-"""Loading a config: YAML presets with `base:` overlays, dotted overrides, the type coercer that checks every
-value against the schema's annotations, and `load` / `from_dict`, which build (and so validate) a Config."""
+"""Loading a config: YAML presets with `base:` overlays (`read_yaml`, found by `find_preset`), dotted overrides,
+the `{output_dir}` expansion of path keys, the type coercer that checks every value against the schema's
+annotations, and `load` / `from_dict`, which build (and so validate) a Config. Around a loaded one:
+`relocate` (the overrides that move a run to another folder, its data staying put) and `changed_keys` (what
+a resume compares)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -15,7 +19,7 @@ import yaml
 
 from pipeline.config.errors import ConfigError
 from pipeline.config.resume_keys import MODEL_OR_DATA_KEYS, flatten, in_scope, with_compact_schedule
-from pipeline.config.schema import REQUIRED, Config, RunConfig, schema_default
+from pipeline.config.schema import REQUIRED, Config, DataConfig, RunConfig, schema_default
 
 
 def _type_name(tp: Any) -> str:
@@ -55,7 +59,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is tuple:  # a YAML list, kept as a tuple so the loaded config stays immutable
         item = typing.get_args(tp)[0]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+            spelled = f"[{value}]" if isinstance(value, str | int | float) else "[a, b]"
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}; write it as {spelled}")
         return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
@@ -157,6 +162,38 @@ def expand_output_dir(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, str) and "{output_dir}" in value:
             node[key] = value.replace("{output_dir}", out_dir)
     return data
+
+
+def relocate(cfg: Config, output_dir: str | Path) -> list[str]:
+    """The overrides that move a loaded run to ``output_dir`` (a search trial's folder, a schedule's, the same
+    folder spelled absolute for a job that starts in another directory) and keep its data where the data is.
+    Its data paths, `{output_dir}` ones included, were expanded on load against the folder it had; here each
+    local one becomes absolute (from this directory), so neither the move nor the job's cwd moves it:
+    data.dataset_dir, data.tokenizer, data.input and each of data.val_sets' dataset_dir and input."""
+    d = cfg.data
+    paths = {"data.dataset_dir": d.dataset_dir, "data.tokenizer": d.tokenizer, "data.input": d.input}
+    for name, spec in d.val_sets.items():
+        paths[f"data.val_sets.{name}.dataset_dir"] = spec.dataset_dir
+        if spec.input is not None:
+            paths[f"data.val_sets.{name}.input"] = spec.input
+    pinned = [f"run.output_dir={_absolute(output_dir)}"]
+    for key, value in paths.items():
+        pinned.append(f"{key}={_absolute(value) if _is_local(key, value, d) else value}")
+    return pinned
+
+
+def _absolute(path: str | Path) -> str:
+    """Absolute from this directory, symlinks kept as spelled (a linked data folder keeps its name)."""
+    return os.path.abspath(Path(path).expanduser())
+
+
+def _is_local(key: str, value: str, data: DataConfig) -> bool:
+    """Whether a data path names a file or folder here; else a Hub name or a URL, the same from anywhere. A
+    dataset folder, a tokenizer .json and an embedded corpus are files even before `prism prepare` makes them."""
+    if "://" in value:
+        return False
+    embedded_input = key.endswith("input") and data.input_format == "embedded"
+    return key.endswith("dataset_dir") or value.endswith(".json") or embedded_input or Path(value).exists()
 
 
 # The project's own presets: where a `base:` is looked for when it is not next to the file (a copied preset).

@@ -2,7 +2,7 @@
 (pipeline.config.rules) and resolves and judges the head schedule once.
 
 Every field carries its comment: the comments are the configuration reference `make docs` renders
-(pipeline.cli.docs), so they stay beside their fields. That is why this module is over 400 lines.
+(pipeline.cli.docs), so they stay beside their fields.
 """
 
 from __future__ import annotations

@@ -60,16 +60,17 @@ def expand_grid(
 ) -> list[GridRun]:
     """Every (seed, config, schedule), seed-major (a grid stopped early holds whole seeds); ``seeds`` None keeps
     each config's own seed, a schedule None its own schedule. A schedule set here also gets its own folder,
-    ``<run.output_dir>/sched-<schedule>``: the run name is the same for every schedule of an arm."""
-    output_dirs = {path: config.load(path, overrides).run.output_dir for path in configs} if any(schedules) else {}
+    ``<run.output_dir>/sched-<schedule>`` (its data staying where the preset's is): the run name is the same
+    for every schedule of an arm."""
+    loaded = {path: config.load(path, overrides) for path in configs} if any(schedules) else {}
     runs = []
     for seed in [None] if seeds is None else seeds:
         for path in configs:
             for sched in schedules:
                 extra = [] if seed is None else [f"run.seed={int(seed)}"]
                 if sched is not None:
-                    out = output_dirs[path]
-                    extra += [f"schedule.heads={sched}", f"run.output_dir={out}/sched-{sched.replace(',', '_')}"]
+                    folder = Path(loaded[path].run.output_dir) / f"sched-{sched.replace(',', '_')}"
+                    extra += [f"schedule.heads={sched}", *config.relocate(loaded[path], folder)]
                 ov = (*overrides, *extra)
                 runs.append(GridRun(str(path), ov, config.load(path, ov), sched))
     return runs
@@ -190,7 +191,10 @@ def build_grid(
     grid = []
     for path, arm, scale in points:
         per_arm = expand_schedules(schedules, arm, scale, base_overrides, path)
-        grid += expand_grid([path], [int(s) for s in seeds], per_arm, base_overrides)
+        # a job starts in the checkout, not in this directory: its folder and data are pinned here
+        cfg = config.load(path, base_overrides)
+        pinned = [*base_overrides, *config.relocate(cfg, cfg.run.output_dir)]
+        grid += expand_grid([path], [int(s) for s in seeds], per_arm, pinned)
     return expand_branches(grid, cooldown) if cooldown else grid
 
 

@@ -271,20 +271,12 @@ def tracking_uri(spec: SearchSpec) -> str:
     return resolve_uri(spec.base.tracking.uri, spec.folder)
 
 
-def _pathlike(value: str) -> str:
-    """Absolute when it is a local path that exists (trials may run from another cwd, e.g. a Slurm job)."""
-    return str(Path(value).resolve()) if "://" not in value and Path(value).exists() else value
-
-
 def run_overrides(spec: SearchSpec, folder: Path, experiment: str, extra: list[str]) -> list[str]:
-    """The overrides of one run of the search: the spec's, its own folder, the shared store and data."""
-    d = spec.base.data
+    """The overrides of one run of the search: the spec's, its own folder (the data staying where it is), the
+    shared store."""
     return [
         *spec.overrides,
-        f"data.dataset_dir={Path(d.dataset_dir).resolve()}",
-        f"data.tokenizer={_pathlike(d.tokenizer)}",
-        f"data.input={_pathlike(d.input)}",
-        f"run.output_dir={folder}",
+        *config.relocate(spec.base, folder),
         f"tracking.uri={tracking_uri(spec)}",
         f"tracking.experiment={experiment}",
         f"train.train_tokens={spec.rungs.full_tokens}",

@@ -1,4 +1,4 @@
-"""Annealed points in the comparison (issue #40): each cooldown branch's final validation loss is one point at
+"""Annealed points in the comparison: each cooldown branch's final validation loss is one point at
 (scale, arm, schedule, tokens). A cosine run's earlier checkpoints sit at a high learning rate; a branch
 decayed to min_lr is what a run of that length reaches, so the arms are compared at each budget annealed.
 A main run's own final point is annealed too (its WSD decay, or cosine's end at min_lr: scaling.

@@ -4,7 +4,7 @@ holds several scales (compare_section).
 
 One point per finished training run (compare.RunSeries, read by compare): arm, seed, the parameter count N of
 the config the run logged (pipeline.model_size, never typed by hand), tokens trained D, final validation loss
-(val/loss) and tokens/s (compare's throughput). A cooldown branch of a WSD run (`prism cooldown`;
+(val/loss) and run tokens/s (compare's throughput). A cooldown branch of a WSD run (`prism cooldown`;
 RunSeries.branch_step set) is one more annealed point at its own D. Every point is annealed
 (final_point_annealed: its last validation at its schedule's end, a main run's of either schedule or a branch's);
 a run whose last validation came before that is left out. verdict.fits owns the fits and intervals:
@@ -114,7 +114,7 @@ def make_points(runs: list[tuple[RunSeries, Config, bool]]) -> list[Point]:
             parameter_count(cfg),
             r.val[-1][1],
             r.final_val_loss,
-            r.tokens_per_sec,
+            r.run_tokens_per_sec,
             r.run_id,
             branch,
         )
@@ -202,7 +202,7 @@ def markdown(points: list[Point], verdict: dict[str, Any], title: str) -> str:
     out = [
         f"## Scaling: {title}",
         "",
-        "| scale | N (params) | arm | seeds | tokens | tokens/param | final val loss (mean ± std) | tokens/s |",
+        "| scale | N (params) | arm | seeds | tokens | tokens/param | final val loss (mean ± std) | run tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for m in measured(points):
@@ -217,7 +217,7 @@ def markdown(points: list[Point], verdict: dict[str, Any], title: str) -> str:
     out += [
         "",
         "| N (params) | gap Prism − uniform [95 % CI] | k: uniform's compute / Prism's [95 % CI] "
-        "| k × tokens/s ratio (time) [95 % CI] |",
+        "| k × run tokens/s ratio (time) [95 % CI] |",
         "|---|---|---|---|",
     ]
     for r in verdict["rows"]:
@@ -229,8 +229,8 @@ def markdown(points: list[Point], verdict: dict[str, Any], title: str) -> str:
     out += [
         "",
         "gap: the two fits' loss difference at N (< 0: Prism better). k: the compute the uniform arm needs to reach "
-        "Prism's loss at N, over Prism's (> 1: Prism saves compute). k × tokens/s ratio: the same in wall time, "
-        "Prism's measured tokens/s over uniform's. Intervals: bootstrap over seeds within each size and arm, "
+        "Prism's loss at N, over Prism's (> 1: Prism saves compute). k × run tokens/s ratio: the same in wall time, "
+        "Prism's run tokens/s (compare's) over uniform's. Intervals: bootstrap over seeds within each size and arm, "
         "refitting both arms (training noise, not the validation sample); docs/verdict.md#scaling.",
     ]
     if branches:

@@ -62,7 +62,7 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
         assert int(row["runs"]) == 2
         assert float(row["final_val_loss_mean"]) == pytest.approx(statistics.mean(finals))
         assert float(row["final_val_loss_std"]) == pytest.approx(statistics.stdev(finals))
-        assert float(row["tokens_per_sec_mean"]) == pytest.approx(statistics.mean(r["tps"] for r in runs))
+        assert float(row["run_tokens_per_sec_mean"]) == pytest.approx(statistics.mean(r["tps"] for r in runs))
         for x in TRACKED_MILESTONES:
             hits = [h for h in (first_reach(r, x) for r in runs) if h]
             assert int(row[f"val_{x!r}_not_reached"]) == 2 - len(hits)
@@ -75,7 +75,7 @@ def test_compare_table_csv_plots_and_comparison_run(tracked_runs, tmp_path, caps
     assert float(rows["prism"]["delta_vs_uniform"]) == pytest.approx(delta)
     assert f"{delta:+.4f} [" in printed  # followed by its 95 % CI
     ratio = statistics.mean(r["tps"] for r in want["prism"]) / statistics.mean(r["tps"] for r in want["uniform"])
-    assert float(rows["prism"]["tokens_per_sec_ratio"]) == pytest.approx(ratio)
+    assert float(rows["prism"]["run_tokens_per_sec_ratio"]) == pytest.approx(ratio)
 
     pngs = ["val_loss_vs_tokens_tiny.png", "delta_val_loss_vs_tokens_tiny.png"]
     for name in pngs:

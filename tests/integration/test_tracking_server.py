@@ -23,7 +23,7 @@ from tests.unit.test_tracking import fake_val_losses, log_steps, tiny_cfg
 
 
 def assert_every_step_once(client, run_id, steps, losses):
-    for key in ("train/loss", "val/loss", "train/tokens_seen", "perf/tokens_per_sec"):
+    for key in ("train/loss", "val/loss", "train/tokens_seen", "perf/train_tokens_per_sec"):
         per_step = {}
         for m in client.get_metric_history(run_id, key):
             per_step.setdefault(m.step, []).append(m.value)
@@ -120,7 +120,7 @@ def test_real_tiny_runs_log_params_tags_metrics_artifacts_milestones_and_resume(
             "train/lr",
             "train/grad_norm",
             "train/tokens_seen",
-            "perf/tokens_per_sec",
+            "perf/train_tokens_per_sec",
             "perf/step_time",
         } <= keys
         assert any(k.startswith("system/") for k in keys)  # MLflow system metrics are on

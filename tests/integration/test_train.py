@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,11 +172,12 @@ def test_single_process_trains_logs_and_checkpoints(reference):
     assert last["train/loss"] < first["train/loss"] and math.isfinite(last["val/loss"])
     assert "val/loss" in m[3] and "val/loss" not in m[2]
     trained = ("train/lr", "train/grad_norm", "train/tokens_seen")
-    for key in (*trained, "perf/tokens_per_sec", "perf/step_time", "perf/memory_gb"):
+    for key in (*trained, "perf/train_tokens_per_sec", "perf/step_time", "perf/memory_gb"):
         assert key in last
     assert last["train/tokens_seen"] == STEPS * 1024
     assert {key.split("/")[0] for key in last if key not in ("step", "time")} <= {"train", "val", "perf", "data"}
     assert "step      6/6 | tokens 6,144 | loss" in stdout and "| val " in stdout
+    assert re.search(r"\| [\d,]+ train tok/s \|", stdout)  # the rate perf/train_tokens_per_sec logs
     ckpt = checkpoint_dir(out)
     assert (ckpt / "latest").read_text() == f"step-{STEPS:07d}"
     assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{CKPT_EVERY:07d}", f"step-{STEPS:07d}"]

@@ -83,6 +83,32 @@ def test_data_paths_follow_run_output_dir():
     assert config.load(ROOT / "configs/tiny_prism.yaml").data.dataset_dir == "runs/data/embedded-bpe8k-256"
 
 
+def test_a_moved_run_keeps_its_data_where_the_data_is(tmp_path, monkeypatch):
+    """config.relocate: the one answer for search trials, schedule folders and jobs started elsewhere."""
+    monkeypatch.chdir(tmp_path)
+    preset = ROOT / "configs/tiny_prism.yaml"
+    cfg = config.load(preset)  # run.output_dir=runs, relative to this directory
+    here = tmp_path / "runs" / "data"
+    here.mkdir(parents=True)
+    (here / "embedded-bpe8k-256").symlink_to(tmp_path)  # a linked data folder keeps the name it was given
+    moved = config.load(preset, config.relocate(cfg, "trials/t000"))
+    assert moved.run.output_dir == str(tmp_path / "trials" / "t000")
+    assert (moved.data.dataset_dir, moved.data.tokenizer, moved.data.input) == (
+        str(here / "embedded-bpe8k-256"),
+        str(here / "embedded-bpe8k.json"),
+        str(here / "embedded-corpus"),
+    )
+    heldout = moved.data.val_sets["heldout"]
+    assert (heldout.dataset_dir, heldout.input) == (
+        str(here / "embedded-heldout-bpe8k-256"),
+        str(here / "embedded-heldout-corpus"),
+    )
+    # a Hub tokenizer and a URL input are the same from anywhere: left as written
+    hub = config.load(preset, ["data.tokenizer=gpt2", "data.input=hf://datasets/x/y", "data.input_format=parquet"])
+    pinned = dict(o.split("=", 1) for o in config.relocate(hub, tmp_path))
+    assert (pinned["data.tokenizer"], pinned["data.input"]) == ("gpt2", "hf://datasets/x/y")
+
+
 def test_demo_finds_its_presets_from_any_directory(tmp_path, monkeypatch):
     from pipeline.demo import find_presets
 

@@ -291,6 +291,21 @@ def test_overrides_and_hash():
         config.load("configs/tiny_prism.yaml", ["train.nope=1"])
 
 
+@pytest.mark.parametrize(
+    "key, bare, why, loaded",
+    [
+        ("train.eval_tasks", "piqa", "expected a list of str, got 'piqa'; write it as [piqa]", ("piqa",)),
+        ("tracking.milestones", "5.0", "expected a list of float, got 5.0; write it as [5.0]", (5.0,)),
+    ],
+)
+def test_a_list_key_given_one_value_says_how_to_write_the_list(key, bare, why, loaded):
+    with pytest.raises(ConfigError) as e:
+        config.load("configs/tiny_prism.yaml", [f"{key}={bare}"])
+    assert str(e.value).endswith(f"{key}: {why}"), e.value
+    section, name = key.split(".")  # the spelling it gives loads
+    assert getattr(getattr(config.load("configs/tiny_prism.yaml", [f"{key}=[{bare}]"]), section), name) == loaded
+
+
 def test_dump_round_trips_verbatim(tmp_path):
     cfg = config.load("configs/prism_124m.yaml", ["train.lr=1e-3"])
     p = tmp_path / "dumped.yaml"

@@ -32,6 +32,6 @@ def test_compare_reads_token_counts_from_the_runs_metric(tmp_path):
     slow = log_run(client, exp_id, "uniform", "train/tokens_seen", seconds_per_step=4.0)
 
     runs = {r.run_id: r for r in compare.load_runs(cfg.experiment, tracker.uri)}
-    assert runs[fast].tokens_per_sec == pytest.approx(750.0)  # 1500 tokens per 2 s
-    assert runs[slow].tokens_per_sec == pytest.approx(375.0)  # 1500 tokens per 4 s
+    assert runs[fast].run_tokens_per_sec == pytest.approx(750.0)  # 1500 tokens per 2 s
+    assert runs[slow].run_tokens_per_sec == pytest.approx(375.0)  # 1500 tokens per 4 s
     assert [tokens for _, tokens, _ in runs[slow].val] == [1500.0, 3000.0, 4500.0, 6000.0]

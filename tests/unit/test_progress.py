@@ -1,4 +1,4 @@
-"""The step line's tok/s and ETA (console.Progress) on a fake clock, driven the way the trainer's loop drives it:
+"""The step line's train tok/s and ETA (console.Progress) on a fake clock, driven the way the trainer's loop drives it:
 validation and checkpoint time is measured apart, so the rate is the training rate and the ETA counts down
 without jumping at a validation step (issue 24: ETA 5 min 39 s at step 30, 16 min 29 s at step 32)."""
 
@@ -45,7 +45,7 @@ def drive() -> tuple[dict[int, object], float]:
 
 def test_rate_is_the_training_rate_and_the_eta_does_not_jump_at_validation():
     lines, end = drive()
-    assert all(p.tokens_per_sec == pytest.approx(TOKENS / STEP_SECONDS) for p in lines.values())
+    assert all(p.train_tokens_per_sec == pytest.approx(TOKENS / STEP_SECONDS) for p in lines.values())
     steps = list(lines)
     rises = [later for earlier, later in zip(steps, steps[1:]) if lines[later].eta > lines[earlier].eta]
     # a countdown: it never goes up at a validation step (the old rule, validation time counted as training
@@ -68,7 +68,7 @@ def test_no_trained_step_since_the_last_line_gives_no_pace():
     assert progress.pace(4) is None
     clock.now += 1.0
     progress.trained(1.0)
-    assert progress.pace(5).tokens_per_sec == pytest.approx(TOKENS)
+    assert progress.pace(5).train_tokens_per_sec == pytest.approx(TOKENS)
 
 
 def test_evals_are_timed_apart_and_counted_in_the_eta():
@@ -86,7 +86,7 @@ def test_evals_are_timed_apart_and_counted_in_the_eta():
         if step in evals:
             with progress.aside("eval"):
                 clock.now += 3.0
-    assert all(p.tokens_per_sec == pytest.approx(TOKENS / STEP_SECONDS) for p in lines.values())
+    assert all(p.train_tokens_per_sec == pytest.approx(TOKENS / STEP_SECONDS) for p in lines.values())
     # before the first eval: estimated as a forward pass over its tokens (4 steps' tokens / 3)
     assert lines[2].eta == pytest.approx(38 * STEP_SECONDS + 4 * 4 * STEP_SECONDS / 3)
     for step, p in lines.items():
@@ -95,7 +95,7 @@ def test_evals_are_timed_apart_and_counted_in_the_eta():
 
 
 def test_the_step_line_and_perf_step_time_read_one_clock(monkeypatch):
-    """The loop hands Progress what UnreadSteps measured at each read-back, so the line's tok/s is
+    """The loop hands Progress what UnreadSteps measured at each read-back, so the line's train tok/s is
     tokens / perf/step_time over the same steps, whatever else the sync steps spend (here 1 s of logging
     between the read-back and the clock's restart, which neither may count)."""
     from collections import deque
@@ -120,4 +120,4 @@ def test_the_step_line_and_perf_step_time_read_one_clock(monkeypatch):
         clock.now += 1.0  # the line, a checkpoint: not training
         unread.restart_clock()
         step_time = sum(r.seconds for r in results[-4:]) / 4
-        assert pace.tokens_per_sec == pytest.approx(TOKENS / step_time) == pytest.approx(TOKENS / 0.75)
+        assert pace.train_tokens_per_sec == pytest.approx(TOKENS / step_time) == pytest.approx(TOKENS / 0.75)

@@ -26,17 +26,18 @@ def test_the_grid_is_seed_major_and_gives_each_schedule_its_own_folder(tmp_path)
     assert len({r.run_dir for r in runs}) == 4
     assert runs[1].label == "prism-tiny-s1 6x2,12x6"
     # the command trains exactly the config the grid loaded
-    assert runs[3].train_command() == [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "train",
-        str(TINY),
-        f"run.output_dir={tmp_path}",
+    cmd = runs[3].train_command()
+    assert cmd[:8] == [sys.executable, "-m", "pipeline.cli", "train", str(TINY), f"run.output_dir={tmp_path}"] + [
         "run.seed=2",
         "schedule.heads=6x2,12x6",
-        f"run.output_dir={tmp_path}/sched-6x2_12x6",
     ]
+    assert f"run.output_dir={tmp_path}/sched-6x2_12x6" in cmd
+    # the run moves to the schedule's folder; its data (training, tokenizer, every validation set) stays put
+    d = runs[3].cfg.data
+    assert d.dataset_dir == str(tmp_path / "data" / "embedded-bpe8k-256")
+    assert d.tokenizer == str(tmp_path / "data" / "embedded-bpe8k.json")
+    assert d.val_sets["heldout"].dataset_dir == str(tmp_path / "data" / "embedded-heldout-bpe8k-256")
+    assert d.val_sets["heldout"].input == str(tmp_path / "data" / "embedded-heldout-corpus")
 
 
 def test_without_seeds_or_schedules_each_config_keeps_its_own():

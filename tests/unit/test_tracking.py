@@ -32,7 +32,11 @@ def fake_val_losses(n):
 def log_steps(tracker, steps, losses, batch_tokens):
     for step, loss in zip(steps, losses):
         tracker.log_metrics(
-            {"train/loss": loss + 0.1, "train/tokens_seen": step * batch_tokens, "perf/tokens_per_sec": 1000.0 + step},
+            {
+                "train/loss": loss + 0.1,
+                "train/tokens_seen": step * batch_tokens,
+                "perf/train_tokens_per_sec": 1000.0 + step,
+            },
             step,
         )
         tracker.log_metrics({"val/loss": loss}, step)

@@ -73,7 +73,7 @@ def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read(tmp_
     cfg = tiny_cfg(tmp_path, overrides=["tracking.milestones=[7.0]"])
     tracker = MlflowTracker(cfg)
     new_id = tracker.start(cfg)
-    tracker.log_metrics({"train/loss": 7.0, "train/tokens_seen": 4096, "perf/tokens_per_sec": 1.0}, 2)
+    tracker.log_metrics({"train/loss": 7.0, "train/tokens_seen": 4096, "perf/train_tokens_per_sec": 1.0}, 2)
     tracker.log_metrics({"val/loss": 6.9}, 2)
     tracker.finish()
     runs = {r.run_id: r for r in compare.load_runs(cfg.experiment, tracker.uri)}

