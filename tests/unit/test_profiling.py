@@ -121,7 +121,7 @@ def test_a_pinned_flash_is_refused_at_a_head_dim_the_device_cannot_run(monkeypat
 
 
 def test_cpus_flash_kernel_takes_head_dim_384():
-    """torch's CPU flash kernel has no head-dim limit: the same plan is not refused on CPU (torch's real answer)."""
+    """torch's CPU flash kernel takes d_h 384: the same plan is not refused on CPU (torch's real answer)."""
     cfg = load(*WIDE, "model.attention_backend=flash", "train.precision=bf16")
     assert sdpa_backend.layer_kernels(cfg, "cpu") == ["FLASH_ATTENTION"] * cfg.model.num_layers
 
