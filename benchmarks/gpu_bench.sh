@@ -8,7 +8,8 @@
 # The device image has Python 3.12 and torch 2.11 + CUDA 13 but no package registry: megatron-core 0.16.1,
 # deepspeed 0.19.8 and their small deps are installed from ./.whl (carry it: run's `carry: [".whl"]`).
 # First the SDPA kernel report (`prism model report`, bf16 on the GPU: the kernel torch picks for each layer,
-# the 124M arms and the paper's d_h-384 variant, a fallback named in one warning line), then
+# the 124M arms and the paper's d_h-384 variant, a fallback named in one warning line), two GPU-only checks
+# (pinned flash refused at d_h 384, a CUDA memory snapshot), then
 # benchmarks/bench_arms.py (both arms through `prism train` under torchrun + DeepSpeed, bf16, synthetic tokens;
 # the last PROFILE_STEPS=1 step traced: the kernel split and each layer's forward/backward ms, both arms side by
 # side). Writes $OUT/gpu_bench_summary.txt (readable in a minute: kernels, tokens/s, ratio, per-layer table)
@@ -75,6 +76,35 @@ for variant in "configs/prism_124m.yaml" \
   say "[kernels] $variant"
   grep -E '(attention on|warning:|error:)' "$WORK/kernels.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 done
+
+# GPU-only checks (tests/unit/test_profiling.py checks their CPU side): a pinned flash kernel is refused in one
+# line at the paper's d_h 384 (FlashAttention-2 stops at 256), and a CUDA memory snapshot is written whole.
+rc=0
+timeout 120 "$PY" -m pipeline.cli model report configs/prism_124m.yaml schedule.heads=2x2,6x2,8x2,12x6 \
+  schedule.allow_guideline_violations=true model.attention_backend=flash train.precision=bf16 train.device=cuda \
+  >/dev/null 2>"$WORK/flash384.err" || rc=$?
+if [ "$rc" = 2 ] && [ "$(grep -c . "$WORK/flash384.err")" = 1 ] \
+  && grep -q 'flash attention cannot run on cuda (bf16, head dim 384)' "$WORK/flash384.err"; then
+  say "[check] pinned flash at d_h 384 refused in one line: PASS"
+else
+  say "[check] pinned flash at d_h 384 refused in one line: FAIL (rc=$rc)"; sed 's/^/  /' "$WORK/flash384.err" | tail -n 5 | tee -a "$SUMMARY"
+fi
+timeout 120 "$PY" - "$WORK/rank-0.memory.pickle" <<'PY' 2>&1 | tail -n 5 | tee -a "$SUMMARY"
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline import profiling
+
+torch.cuda.memory._record_memory_history(max_entries=1000)
+x = torch.ones(1024, 1024, device="cuda")
+snapshot = pickle.loads(profiling.dump_snapshot(Path(sys.argv[1]), stop_history=True).read_bytes())
+traced = sum(len(t) for t in snapshot["device_traces"])
+verdict = "PASS" if snapshot["segments"] and traced else "FAIL"
+print(f"[check] CUDA memory snapshot written whole: {verdict} ({len(snapshot['segments'])} segments, {traced} events)")
+PY
 
 for scale in ${SCALES:-124m 757m}; do
   left=$(( DEADLINE - (SECONDS - START) ))

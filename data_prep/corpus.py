@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import sysconfig
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,10 @@ def _docstrings(source: str) -> list[str]:
         return []
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     out = []
-    for node in ast.walk(tree):
+    todo = deque([tree])  # ast.walk's breadth-first order, without entering expressions: none holds a def
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.expr))
         if isinstance(node, kinds) and (doc := ast.get_docstring(node, clean=True)):
             out.append(doc)
     return out

@@ -278,6 +278,10 @@ def dump_snapshot(path: Path, stop_history: bool = False) -> Path:
 
     import torch
 
+    if not torch.cuda.is_available():  # torch's own error here names a missing private binding
+        raise RuntimeError(
+            "a memory snapshot needs a CUDA device (torch.cuda's caching allocator); this process has none"
+        )
     snapshot = torch.cuda.memory._snapshot()
     if stop_history:
         torch.cuda.memory._record_memory_history(enabled=None)

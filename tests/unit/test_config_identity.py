@@ -76,7 +76,7 @@ def test_a_checkpoint_saved_with_another_spelling_compares_by_what_it_builds(tmp
     assert config.changed_keys(other, now) == ["schedule.heads"]
 
 
-def test_a_finished_run_is_found_under_either_spelling_and_any_execution_setting(tmp_path):
+def test_a_finished_run_is_found_under_either_spelling_and_any_execution_setting(tmp_path, sqlite_store):
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 

@@ -3,6 +3,7 @@ the key, exit 2 through the CLI, before anything is built."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -126,39 +127,80 @@ CLI_REFUSALS = [
 ]
 
 
+# Runs `prism VERB` on each refusal in one interpreter (each fresh process would mostly be start-up): its exit
+# code and stderr per call, a traceback included if one escapes, as JSON on the last stdout line.
+IN_ONE_PROCESS = """
+import contextlib, io, json, sys, traceback
+from pipeline.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            code = None
+            traceback.print_exc()
+    results.append((code, err.getvalue()))
+print(json.dumps(results))
+"""
+
+
 @pytest.fixture(scope="module")
 def cli_refusals(tmp_path_factory):
-    """`prism plan` and `prism train` on every refusal, all started at once (each process is mostly
-    interpreter start-up): {(override, verb): (returncode, stdout, stderr, output_dir)}."""
-    procs = {}
-    for override, _ in CLI_REFUSALS:
-        for verb in ("plan", "train"):
-            out = tmp_path_factory.mktemp("refused")
-            command = [sys.executable, "-m", "pipeline.cli", verb, str(TINY), "train.eval_tasks=[]", override]
-            procs[override, verb] = (
-                out,
-                subprocess.Popen(
-                    [*command, f"run.output_dir={out}"],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    cwd=ROOT,
-                ),
-            )
-    results = {}
-    for key, (out, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        results[key] = proc.returncode, stdout, stderr, out
+    """`prism plan` and `prism train` on every refusal: {(override, verb): (returncode, stderr, output_dir)}.
+    All calls share one process; the first refusal also runs as its own `python -m pipeline.cli` for each verb
+    (key (override, verb, "own process")), where stderr is the real stream: import-time noise shows there."""
+
+    def argv(verb, override, out):
+        return [verb, str(TINY), "train.eval_tasks=[]", override, f"run.output_dir={out}"]
+
+    def start(*command):
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    calls = [
+        ((override, verb), tmp_path_factory.mktemp("refused"))
+        for override, _ in CLI_REFUSALS
+        for verb in ("plan", "train")
+    ]
+    batch = start(sys.executable, "-c", IN_ONE_PROCESS, json.dumps([argv(verb, o, out) for (o, verb), out in calls]))
+    override = CLI_REFUSALS[0][0]
+    own = {}
+    for verb in ("plan", "train"):
+        out = tmp_path_factory.mktemp("refused-own-process")
+        own[override, verb, "own process"] = (
+            out,
+            start(sys.executable, "-m", "pipeline.cli", *argv(verb, override, out)),
+        )
+    stdout, stderr = batch.communicate(timeout=300)
+    assert batch.returncode == 0 and stdout.strip(), stderr
+    answers = json.loads(stdout.strip().splitlines()[-1])
+    results = {key: (code, err, out) for (key, out), (code, err) in zip(calls, answers, strict=True)}
+    for key, (out, proc) in own.items():
+        _, stderr = proc.communicate(timeout=300)
+        results[key] = proc.returncode, stderr, out
     return results
+
+
+def assert_refused(result, key):
+    returncode, stderr, out = result
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{key}:" in lines[0] and "Traceback" not in stderr, stderr
+    # no run folder, no checkpoint, no store (the console's logs/ folder may exist)
+    assert [p.name for p in out.iterdir() if p.name != "logs"] == []
 
 
 @pytest.mark.parametrize(("override", "key"), CLI_REFUSALS, ids=[o for o, _ in CLI_REFUSALS])
 def test_cli_exits_2_with_one_line_before_anything_runs(override, key, cli_refusals):
     # plan answers without torch, train loads the config the same way: both refuse before anything runs
     for verb in ("plan", "train"):
-        returncode, stdout, stderr, out = cli_refusals[override, verb]
-        assert returncode == 2, (verb, stdout, stderr)
-        lines = stderr.strip().splitlines()
-        assert len(lines) == 1 and f"{key}:" in lines[0] and "Traceback" not in stderr, stderr
-        # no run folder, no checkpoint, no store (the console's logs/ folder may exist)
-        assert [p.name for p in out.iterdir() if p.name != "logs"] == []
+        assert_refused(cli_refusals[override, verb], key)
+
+
+@pytest.mark.parametrize("verb", ["plan", "train"])
+def test_a_refusal_in_its_own_process_is_one_line_on_stderr(verb, cli_refusals):
+    override, key = CLI_REFUSALS[0]
+    assert_refused(cli_refusals[override, verb, "own process"], key)

@@ -20,7 +20,7 @@ def log_run(client, experiment_id, arm, tokens_key, seconds_per_step):
     return run_id
 
 
-def test_compare_reads_token_counts_from_the_runs_metric(tmp_path):
+def test_compare_reads_token_counts_from_the_runs_metric(tmp_path, sqlite_store):
     cfg = tiny_cfg(tmp_path)
     tracker = MlflowTracker(cfg)
     tracker.start(cfg)

@@ -72,7 +72,7 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     assert store.store_exists(resolve("stores/a.db", "runs"))
 
 
-def test_eval_and_analysis_log_to_an_existing_run_through_log_to_run(tmp_path):
+def test_eval_and_analysis_log_to_an_existing_run_through_log_to_run(tmp_path, sqlite_store):
     from pipeline.analysis import checkpoints
     from pipeline.eval import zeroshot
 
@@ -99,7 +99,7 @@ def test_eval_and_analysis_log_to_an_existing_run_through_log_to_run(tmp_path):
     assert [m.value for m in client.get_metric_history(run_id, "x")] == []
 
 
-def test_tracker_logs_params_tags_artifacts_milestones_and_resumes_same_run(tmp_path):
+def test_tracker_logs_params_tags_artifacts_milestones_and_resumes_same_run(tmp_path, sqlite_store):
     cfg = tiny_cfg(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     losses = fake_val_losses(8)

@@ -17,7 +17,7 @@ from tests.unit.test_tracking import tiny_cfg
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_runs_carry_mlflows_source_tags_and_print_their_ui_url(tmp_path):
+def test_runs_carry_mlflows_source_tags_and_print_their_ui_url(tmp_path, sqlite_store):
     cfg = tiny_cfg(tmp_path)
     tracker = MlflowTracker(cfg)
     run_id = tracker.start(cfg)
@@ -51,7 +51,7 @@ def test_the_installed_ui_takes_its_mode_from_the_parameter_our_links_carry():
     assert f'get("{key}")' in js and f'MACHINE_LEARNING="{value}"' in js
 
 
-def test_the_data_plan_is_params_not_metrics_and_a_resume_names_what_changed(tmp_path):
+def test_the_data_plan_is_params_not_metrics_and_a_resume_names_what_changed(tmp_path, sqlite_store):
     cfg = tiny_cfg(tmp_path)
     tracker = MlflowTracker(cfg)
     run_id = tracker.start(cfg)
@@ -69,7 +69,7 @@ def test_the_data_plan_is_params_not_metrics_and_a_resume_names_what_changed(tmp
     assert run.data.tags["params_changed_on_resume"] == "data/epochs"
 
 
-def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read(tmp_path):
+def test_comparison_run_lives_in_its_own_experiment_and_milestones_are_read(tmp_path, sqlite_store):
     cfg = tiny_cfg(tmp_path, overrides=["tracking.milestones=[7.0]"])
     tracker = MlflowTracker(cfg)
     new_id = tracker.start(cfg)
