@@ -6,7 +6,7 @@ plus ``config.yaml`` and ``integrity.json`` (every file's size and sha256, writt
 ``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp + rename) only after every rank
 has finished writing and the integrity record is on disk, so a checkpoint killed half-way is never picked up.
 
-Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "dp_size", "skips"}}``. DeepSpeed writes it
+Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "skips"}}``. DeepSpeed writes it
 only from DP rank 0, so the per-rank parts of the train state (loader position, RNG states) are gathered to
 every rank first and stored as one list indexed by global rank.
 
@@ -128,12 +128,18 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def hash_share(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """This rank's share of ``paths`` (dealt round-robin over the ranks), each file's integrity entry."""
+    rank, world = rank_and_world()
+    return {p.name: file_record(p) for p in paths[rank::world]}
+
+
 def _hash_shared(paths: list[Path]) -> dict[str, str]:
     """sha256 of every path, the work dealt round-robin over the ranks (a collective when there are several)."""
     import torch.distributed as dist
 
     rank, world = rank_and_world()
-    mine = {p.name: _sha256(p) for p in paths[rank::world]}
+    mine = {name: entry["sha256"] for name, entry in hash_share(paths).items()}
     if world == 1:
         return mine
     parts: list[Any] = [None] * world
