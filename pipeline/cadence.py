@@ -10,9 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.config.errors import ConfigError
-
-if TYPE_CHECKING:  # the config package's rules ask check(): a runtime import of Config would be a circle
+if TYPE_CHECKING:  # the config package's rules ask keys_problem(): a runtime import of Config would be a circle
     from pipeline.config import Config
 
 
@@ -87,16 +85,18 @@ def planned(cfg: Config, start: int, total_steps: int) -> dict[int, StepActions]
     return {step: step_actions(cfg, step, total_steps) for step in range(start + 1, total_steps + 1)}
 
 
-def check(cfg: Config) -> None:
-    """The cadence keys agree (asked on load): a milestone is a checkpoint that is kept, so with saves by steps
-    checkpoint.keep_every_steps is a multiple of checkpoint.every_steps. With checkpoint.every_minutes,
-    every_steps is not used and any keep_every_steps holds (step_actions saves at each milestone)."""
+def keys_problem(cfg: Config) -> str | None:
+    """What is wrong with the cadence keys, None if nothing (config.rules refuses it on load): a milestone is a
+    checkpoint that is kept, so with saves by steps checkpoint.keep_every_steps is a multiple of
+    checkpoint.every_steps. With checkpoint.every_minutes, every_steps is not used and any keep_every_steps
+    holds (step_actions saves at each milestone)."""
     c = cfg.checkpoint
-    if c.every_minutes is None and c.keep_every_steps % c.every_steps:
-        below = c.keep_every_steps // c.every_steps * c.every_steps
-        suggest = ", ".join(str(v) for v in (below, below + c.every_steps) if v > 0)
-        raise ConfigError(
-            f"{cfg.source}: checkpoint.keep_every_steps: {c.keep_every_steps} is not a multiple of "
-            f"checkpoint.every_steps={c.every_steps} (a milestone is a checkpoint that is kept); use e.g. {suggest}, "
-            "or save by the clock (checkpoint.every_minutes)"
-        )
+    if c.every_minutes is not None or c.keep_every_steps % c.every_steps == 0:
+        return None
+    below = c.keep_every_steps // c.every_steps * c.every_steps
+    suggest = ", ".join(str(v) for v in (below, below + c.every_steps) if v > 0)
+    return (
+        f"checkpoint.keep_every_steps: {c.keep_every_steps} is not a multiple of checkpoint.every_steps="
+        f"{c.every_steps} (a milestone is a checkpoint that is kept); use e.g. {suggest}, or save by the clock "
+        "(checkpoint.every_minutes)"
+    )

@@ -199,7 +199,8 @@ def check_combinations(cfg: Config) -> None:
     for key in cfg.checkpoint.allow_changes:
         if key not in RECIPE_KEYS:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
-    cadence.check(cfg)  # the cadence keys: pipeline.cadence owns their rule
+    if (problem := cadence.keys_problem(cfg)) is not None:  # pipeline.cadence owns the cadence keys' rule
+        raise ConfigError(f"{cfg.source}: {problem}")
     check_val_sets(cfg)
     check_lr_schedule(cfg)
 
