@@ -41,14 +41,14 @@ from pipeline.exit_codes import InfrastructureFault
 
 @dataclass
 class InFlight:
-    """One staged save: its background write and what it produced on this rank."""
+    """One save from its start to its commit: what it wrote on this rank, and a background save's thread."""
 
     tag: str
     step: int
     meta: dict[str, Any]
     final: bool
     staged_at: float
-    thread: threading.Thread | None = None
+    thread: threading.Thread | None = None  # None: a synchronous save, written by the caller
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"size", "sha256"}, this rank's
     error: BaseException | None = None
 
