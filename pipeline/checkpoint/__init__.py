@@ -227,7 +227,7 @@ def milestone_tags(checkpoint_dir: Path) -> list[str]:
 @dataclass
 class CheckpointInfo:
     tag_dir: Path
-    step: int | None
+    step: int
     run_id: str | None  # the MLflow run the checkpoint belongs to, None if it had none
     client_state: dict[str, Any]  # its JSON-like part
 
@@ -259,10 +259,7 @@ def read_weights(tag_dir: Path, tp_rank: int | None = None) -> tuple[dict[str, A
     if next(iter(weights)).startswith("module."):  # saved from a wrapper
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
     client_state = _plain_copy(state)
-    step = (client_state.get("prism") or {}).get("step", client_state.get("global_steps"))
-    info = CheckpointInfo(
-        Path(tag_dir), int(step) if step is not None else None, client_state.get("run_id"), client_state
-    )
+    info = CheckpointInfo(Path(tag_dir), int(client_state["prism"]["step"]), client_state.get("run_id"), client_state)
     return weights, info
 
 
