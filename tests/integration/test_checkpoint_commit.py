@@ -66,3 +66,5 @@ def test_synchronous_and_background_saves_leave_byte_identical_tags(tmp_path):
         del record["files"]["config.yaml"]
     assert records[0] == records[1]
     assert records[0]["step"] == 5 and records[0]["dp_size"] == 1 and records[0]["tp"] == 1
+    _, info = checkpoint.read_weights(async_dir)  # the readers' view: the step and run from the client state
+    assert (info.step, info.run_id, info.client_state["tokens_seen"]) == (5, "run-x", 5 * 1024)
