@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import lr_schedule
+from pipeline.cadence import is_milestone
 from pipeline.config import Config, ConfigError
 from pipeline.console import duration
 from pipeline.dataset import MANIFEST, DataError
@@ -160,7 +161,8 @@ def milestone_line(cfg: Config, steps: int) -> str:
         return (
             f"  milestones   none (checkpoint.keep_every_steps=0); {full}, weights-only {size['weights'] / 1e9:.2f} GB"
         )
-    count = steps // c.keep_every_steps + (steps % c.keep_every_steps > 0)  # the last step is one too
+    total = cfg.steps(1)["total"]  # a branch's own steps are the last ``steps`` of its main run's numbering
+    count = sum(is_milestone(s, c.keep_every_steps, total) for s in range(total - steps + 1, total + 1))
     thin = c.milestone_weights_only and cfg.parallel.zero_stage in (1, 2)  # checkpoint.commit.weights_only's condition
     each = size["weights"] if thin else size["total"]
     kind = "weights-only" if thin else "full (weights-only: checkpoint.milestone_weights_only, ZeRO-1/2)"

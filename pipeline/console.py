@@ -130,7 +130,8 @@ class Progress:
     the logged perf/train_tokens_per_sec agree and a validation step does not look slow. The ETA adds the validations,
     evals and checkpoints still to come at their measured mean cost (``with progress.aside("validation")``,
     ``"eval"``, ``"checkpoint"``; a validation or eval not yet measured: a forward pass over its tokens, a
-    third of a training step per token). ``clock`` (elapsed time and the aside timings) is injectable so the
+    third of a training step per token). ``checkpoint_steps`` may be a function of the measured seconds per
+    step (saves by the clock, checkpoint.every_minutes: pipeline.cadence.checkpoint_steps). ``clock`` (elapsed time and the aside timings) is injectable so the
     rule can be tested with a fake one."""
 
     def __init__(
@@ -139,7 +140,7 @@ class Progress:
         step: int,
         tokens_per_step: int,
         validation_steps: Sequence[int],
-        checkpoint_steps: Sequence[int],
+        checkpoint_steps: Sequence[int] | Callable[[float], Sequence[int]],
         validation_tokens: int,
         eval_steps: Sequence[int] = (),
         eval_tokens: int = 0,
@@ -150,8 +151,10 @@ class Progress:
         self.upcoming = {
             "validation": sorted(validation_steps),
             "eval": sorted(eval_steps),
-            "checkpoint": sorted(checkpoint_steps),
+            "checkpoint": [] if callable(checkpoint_steps) else sorted(checkpoint_steps),
         }
+        # the steps that checkpoint at a pace (seconds a training step takes): saves by the clock depend on it
+        self.checkpoints_at = checkpoint_steps if callable(checkpoint_steps) else None
         self.spent = {"validation": [0.0, 0], "eval": [0.0, 0], "checkpoint": [0.0, 0]}  # seconds, count
         self.clock = clock
         self.started = clock()
@@ -179,6 +182,8 @@ class Progress:
         if steps <= 0 or seconds <= 0:
             return None
         per_step = seconds / steps
+        if self.checkpoints_at is not None:
+            self.upcoming["checkpoint"] = sorted(self.checkpoints_at(per_step))
         forward = {k: self._mean(k, per_step * n / self.tokens_per_step / 3) for k, n in self.forward_tokens.items()}
         eta = (
             (self.total_steps - step) * per_step

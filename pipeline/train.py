@@ -31,7 +31,7 @@ import numpy as np
 
 from pipeline import budget, checkpoint, data, faults, lr_schedule, model_size
 from pipeline.atomic import write_atomic
-from pipeline.cadence import StepActions, step_actions
+from pipeline.cadence import StepActions, checkpoint_steps, planned, step_actions
 from pipeline.checkpoint import restore
 from pipeline.checkpoint.restore import TrainState
 from pipeline.checkpoint.writer import Saver
@@ -722,12 +722,11 @@ def loop(run: Run) -> int:
         # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only
         stop, news = stop_check(run.profiler.poll(step_actions(cfg, state.step, run.total_steps).sync))
         run.profiler.agreed(news, state.step, run.total_steps)
-        actions = step_actions(cfg, state.step, run.total_steps, stop)
+        # checkpoint.every_minutes: cadence reads the ranks' agreed clock at the sync steps its rule needs
+        actions = step_actions(cfg, state.step, run.total_steps, stop, since_save=run.saver.since_save)
         if not actions.sync:
             continue  # no host sync on this step: its loss and grad norm are read at the next sync step
         run.saver.poll()  # a save in flight commits once every rank's background write is done
-        if cfg.checkpoint.every_minutes and not actions.checkpoint and run.saver.minutes_due():
-            actions = step_actions(cfg, state.step, run.total_steps, stop, minutes_due=True)
         bad = unread.read_back(recent)  # the one host sync since the last sync step
         progress.trained(unread.seconds)  # the step line's rate: the same clock as perf/step_time
         for step, skipped in unread.skipped:
@@ -784,15 +783,17 @@ def loop_progress(run: Run) -> Progress:
     """The console's pace and ETA for the steps left, knowing which of them validate, eval and checkpoint
     (their time is set aside, not counted as training)."""
     cfg, t, start = run.cfg, run.cfg.train, run.state.step
-    planned = {step: step_actions(cfg, step, run.total_steps) for step in range(start + 1, run.total_steps + 1)}
+    ahead = planned(cfg, start, run.total_steps)
+    syncs = {s: a for s, a in ahead.items() if a.sync}
     return Progress(
         run.total_steps,
         start,
         t.batch_tokens,
-        validation_steps=[s for s, a in planned.items() if a.validate],
-        checkpoint_steps=[s for s, a in planned.items() if a.checkpoint],
+        validation_steps=[s for s, a in ahead.items() if a.validate],
+        # the clock's saves (checkpoint.every_minutes) depend on the pace: cadence counts them at the measured one
+        checkpoint_steps=lambda step_seconds: checkpoint_steps(cfg, syncs, step_seconds, start),
         validation_tokens=sum(rows.shape[0] for rows in run.val_sets.values()) * cfg.model.seq_len,
-        eval_steps=[s for s, a in planned.items() if a.eval],
+        eval_steps=[s for s, a in ahead.items() if a.eval],
         eval_tokens=eval_tokens(t.eval_tasks, t.eval_limit),
     )
 

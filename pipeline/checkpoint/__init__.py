@@ -6,9 +6,9 @@ plus ``config.yaml`` and ``integrity.json`` (every file's size and sha256, writt
 ``<checkpoint_dir>/latest`` names the newest complete tag; it is replaced (temp + rename) only after every rank
 has finished writing and the integrity record is on disk, so a checkpoint killed half-way is never picked up.
 
-Client state: the dict `commit.begin_save` builds (its one writer; `read_weights` hands it back as read).
-DeepSpeed writes it only from DP rank 0, so the per-rank parts of the train state (loader position, RNG
-states) are gathered to every rank first and stored as one list indexed by global rank.
+Client state: ``{"tokens_seen", "run_id", "prism": {"step", "ranks", "skips"}}``. DeepSpeed writes it
+only from DP rank 0, so the per-rank parts of the train state (loader position, RNG states) are gathered to
+every rank first and stored as one list indexed by global rank.
 
 The package's rooms: this file (names, ``latest``, the integrity record, reading weights: what every reader
 needs), `restore` (where a run resumes, what a resume may change, the train state, loading), `commit` (writing
@@ -128,12 +128,18 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def hash_share(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """This rank's share of ``paths`` (dealt round-robin over the ranks), each file's integrity entry."""
+    rank, world = rank_and_world()
+    return {p.name: file_record(p) for p in paths[rank::world]}
+
+
 def _hash_shared(paths: list[Path]) -> dict[str, str]:
     """sha256 of every path, the work dealt round-robin over the ranks (a collective when there are several)."""
     import torch.distributed as dist
 
     rank, world = rank_and_world()
-    mine = {p.name: _sha256(p) for p in paths[rank::world]}
+    mine = {name: entry["sha256"] for name, entry in hash_share(paths).items()}
     if world == 1:
         return mine
     parts: list[Any] = [None] * world
@@ -221,7 +227,7 @@ def milestone_tags(checkpoint_dir: Path) -> list[str]:
 @dataclass
 class CheckpointInfo:
     tag_dir: Path
-    step: int | None
+    step: int
     run_id: str | None  # the MLflow run the checkpoint belongs to, None if it had none
     client_state: dict[str, Any]  # its JSON-like part
 
@@ -253,10 +259,7 @@ def read_weights(tag_dir: Path, tp_rank: int | None = None) -> tuple[dict[str, A
     if next(iter(weights)).startswith("module."):  # saved from a wrapper
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
     client_state = _plain_copy(state)
-    step = (client_state.get("prism") or {}).get("step", client_state.get("global_steps"))
-    info = CheckpointInfo(
-        Path(tag_dir), int(step) if step is not None else None, client_state.get("run_id"), client_state
-    )
+    info = CheckpointInfo(Path(tag_dir), int(client_state["prism"]["step"]), client_state.get("run_id"), client_state)
     return weights, info
 
 

@@ -1,7 +1,7 @@
-"""Writing a checkpoint tag and committing it. The commit order is one rule, ``commit_tag``: the integrity
-record, then ``latest``, then pruning (rank 0). A synchronous save (``save``) and a background one
+"""Starting a checkpoint tag and committing it. The commit order is one rule, ``commit_tag``: the integrity
+record, then ``latest``, then pruning (rank 0). A synchronous save and a background one
 (pipeline.checkpoint.writer) both end in it, so a tag reads the same however it was written. A write that
-fails on any rank is agreed over all ranks and its partial folder removed."""
+fails on any rank is agreed over all ranks and its partial folder removed (``agreed_failure``)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,10 @@ from typing import Any
 from pipeline import cadence, checkpoint
 from pipeline.atomic import write_atomic, write_failure_cause
 from pipeline.checkpoint.restore import TrainState
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config
 
 
-# --- save / load (every rank calls these) -------------------------------------------------------------
-class CheckpointWriteError(ConfigError):
-    """A checkpoint could not be written (disk full, file-size limit, permissions); ``cause`` in a few words.
-    The trainer's failure policy (pipeline.checkpoint.writer) decides whether the run goes on."""
-
-    def __init__(self, message: str, cause: str = "") -> None:
-        super().__init__(message)
-        self.cause = cause or message
-
-
+# --- a save: its start and its commit ---------------------------------------------------------------------
 def begin_save(cfg: Config, state: TrainState) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Every rank, before DeepSpeed writes tag ``step-NNNNNNN``: (tag, the client state with every rank's
     loader position and RNG states gathered, the integrity record's fields). A folder left under that tag
@@ -37,74 +28,36 @@ def begin_save(cfg: Config, state: TrainState) -> tuple[str, dict[str, Any], dic
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {k: own[k] for k in TrainState.PER_RANK})
     tag = checkpoint.tag_for(state.step)
-    dp_size = parallel_state.get_data_parallel_world_size()
     client_state = {
         "tokens_seen": own["tokens_seen"],
         "run_id": own["run_id"],
-        "prism": {
-            "step": own["step"],
-            "ranks": ranks,
-            "config_hash": cfg.hash(),
-            "spec": cfg.model.spec,
-            "dp_size": dp_size,
-            "skips": own["skips"],
-        },
+        "prism": {"step": own["step"], "ranks": ranks, "skips": own["skips"]},
     }
-    meta = {"step": own["step"], "tp": cfg.parallel.tp, "dp_size": dp_size, "world_size": dist.get_world_size()}
+    meta = {
+        "step": own["step"],
+        "tp": cfg.parallel.tp,
+        "dp_size": parallel_state.get_data_parallel_world_size(),
+        "world_size": dist.get_world_size(),
+    }
     if dist.get_rank() == 0 and (cfg.checkpoint_dir / tag).exists():
         shutil.rmtree(cfg.checkpoint_dir / tag)
     dist.barrier()
     return tag, client_state, meta
 
 
-def save(engine: Any, cfg: Config, state: TrainState) -> str:
-    """Write tag ``step-NNNNNNN`` for ``state.step``; the per-rank parts are gathered over all ranks.
-
-    Order: DeepSpeed's files and config.yaml, then the integrity record, then ``latest``; a failure on any
-    rank (agreed over all ranks) removes the partial folder and raises CheckpointWriteError."""
-    import torch.distributed as dist
-
-    tag, client_state, meta = begin_save(cfg, state)
-    ckpt_dir = cfg.checkpoint_dir
-    previous = checkpoint.read_latest(ckpt_dir)
-    failure = None
-    try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    except (OSError, RuntimeError) as e:
-        failure = e
-        dist.barrier()  # DeepSpeed's closing barrier, which the other ranks wait in, was skipped here
-    try:
-        if failure is None and dist.get_rank() == 0:
-            write_atomic(checkpoint.config_file(ckpt_dir / tag), cfg.dump())
-    except OSError as e:
-        failure = e
-    _agree_on_failure(failure, ckpt_dir, tag, previous)
-    try:
-        checkpoint.write_integrity(ckpt_dir / tag, meta)  # collective; every file is on disk (barrier in agree)
-    except OSError as e:
-        failure = e
-    _agree_on_failure(failure, ckpt_dir, tag, previous)
-    try:
-        if dist.get_rank() == 0:
-            write_atomic(ckpt_dir / checkpoint.LATEST, tag)
-            prune(ckpt_dir, cfg, keep=tag)
-    except OSError as e:
-        failure = e
-    _agree_on_failure(failure, ckpt_dir, tag, previous)
-    return tag
-
-
-def _agree_on_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, previous: str | None) -> None:
-    """A collective: if any rank failed to write, every rank raises the same one-line error (agreed_failure)."""
-    cause = agreed_failure(failure, ckpt_dir, tag)
-    if cause is None:
-        return
-    kept = f"the last good checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"
-    raise CheckpointWriteError(
-        f"{cause} while writing checkpoint {tag} in {ckpt_dir}; {kept}; free space or point checkpoint.dir "
-        f"elsewhere, then resume",
-        cause=cause,
-    )
+def commit_tag(cfg: Config, tag: str, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+    """Global rank 0, every rank's files on disk; ``files``: the records the ranks made of the files they
+    wrote or hashed. The one commit order: the integrity record (a file no rank recorded, such as DeepSpeed's
+    zero_to_fp32.py, is hashed here), then ``latest``, then pruning. Until the record is written the tag is
+    not a checkpoint; until ``latest`` moves a resume takes the previous one."""
+    tag_dir = cfg.checkpoint_dir / tag
+    files = dict(files)
+    for path in checkpoint.tag_files(tag_dir):
+        if path.name not in files:
+            files[path.name] = checkpoint.file_record(path)
+    checkpoint.write_record(tag_dir, meta, dict(sorted(files.items())))
+    write_atomic(cfg.checkpoint_dir / checkpoint.LATEST, tag)
+    prune(cfg.checkpoint_dir, cfg, keep=tag)  # marks a milestone, then prunes
 
 
 def agreed_failure(failure: BaseException | None, ckpt_dir: Path, tag: str, group: Any = None) -> str | None:

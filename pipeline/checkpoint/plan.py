@@ -106,4 +106,27 @@ def format_checkpoint_plan(cfg: Config, plan: CheckpointPlan, nodes: int, step_s
         f"--mtbf-node-hours {plan.mtbf_node_hours:,.0f} / {nodes} node(s)",
         f"  ckpt cadence recommended checkpoint.every_minutes={plan.recommended_minutes:.0f} "
         f"(async_save {'on' if c.async_save else 'off'}); this config: {now}",
+        saves_line(cfg, plan, step_seconds),
     ]
+
+
+def saves_line(cfg: Config, plan: CheckpointPlan, step_seconds: float | None) -> str:
+    """How many saves the run makes (pipeline.cadence's rule: by steps, milestones, the last, and with
+    checkpoint.every_minutes by the clock at ``step_seconds`` a step) and how long they block it in all."""
+    from pipeline.cadence import checkpoint_steps, planned
+    from pipeline.console import duration
+
+    layout = cfg.steps(1)
+    ahead = {s: a for s, a in planned(cfg, layout["start"], layout["total"]).items() if a.sync}
+    if cfg.checkpoint.every_minutes is not None and not step_seconds:
+        return (
+            f"  ckpt saves   {sum(a.checkpoint for a in ahead.values())} by steps (milestones, the last) and the "
+            "clock's, unknown without the step time: pass --peak-tflops"
+        )
+    saves = checkpoint_steps(cfg, ahead, step_seconds, layout["start"])
+    by_clock = sum(not ahead[s].checkpoint for s in saves)
+    blocked = plan.blocked_async_s if cfg.checkpoint.async_save else plan.blocked_sync_s
+    return (
+        f"  ckpt saves   {len(saves)} in the run ({by_clock} by the clock, {len(saves) - by_clock} by steps: "
+        f"every_steps, milestones, the last), blocking it {duration(len(saves) * blocked)} in all"
+    )

@@ -86,8 +86,8 @@ def resume_point(cfg: Config) -> Resume:
             f"start the run over, or write an intact tag's name into {pointer}"
         )
     resume = Resume(tag=chosen, step=checkpoint.tag_step(chosen), damaged=damaged)
-    record = checkpoint.read_integrity(ckpt_dir / chosen) or {}
-    resume.saved_dp_size, resume.saved_tp = record.get("dp_size"), record.get("tp")
+    record = checkpoint.read_integrity(ckpt_dir / chosen)  # verified above: it exists
+    resume.saved_dp_size, resume.saved_tp = record["dp_size"], record["tp"]
     resume.finished = resume.step >= cfg.steps(1)["total"]
     check_resume_policy(cfg, ckpt_dir / chosen, resume.saved_dp_size, None if resume.finished else dp)
     return resume
@@ -99,19 +99,19 @@ def resume_point(cfg: Config) -> Resume:
 ELASTIC_ZERO_STAGES = (1, 2)
 
 
-def reshards(saved_tp: int | None, saved_dp: int | None, tp: int, dp: int) -> bool:
-    """Whether a checkpoint saved at (saved_tp, saved_dp) loads at (tp, dp) through pipeline.checkpoint.reshard (None:
-    not recorded, an older checkpoint: taken as unchanged). The trainer builds its engine for it."""
-    return (saved_tp or tp, saved_dp or dp) != (tp, dp)
+def reshards(saved_tp: int, saved_dp: int, tp: int, dp: int) -> bool:
+    """Whether a checkpoint saved at (saved_tp, saved_dp) (its integrity record) loads at (tp, dp) through
+    pipeline.checkpoint.reshard. The trainer builds its engine for it."""
+    return (saved_tp, saved_dp) != (tp, dp)
 
 
-def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: int | None) -> None:
+def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int, dp: int | None) -> None:
     """The one resume policy, decided before any weights load; refuses in one line naming the key:
     - a change of the model or the data (config.MODEL_OR_DATA_KEYS; the layer spec included);
     - a change of tensor-parallel size unless the ZeRO stage (saved and now) is in ELASTIC_ZERO_STAGES;
     - a change of the training recipe (config.RECIPE_KEYS) unless checkpoint.allow_changes names it;
     - a change of data-parallel size ``saved_dp`` -> ``dp`` unless the ZeRO stage is in ELASTIC_ZERO_STAGES
-      (``dp`` None: nothing will train here, e.g. the run is finished; ``saved_dp`` None: not recorded)."""
+      (``dp`` None: nothing will train here, e.g. the run is finished)."""
     from pipeline.config import RECIPE_KEYS
 
     saved_path = checkpoint.config_file(tag_dir)
@@ -151,7 +151,7 @@ def check_resume_policy(cfg: Config, tag_dir: Path, saved_dp: int | None, dp: in
             f"{saved_path}: cannot resume, {key} changed ({_lookup(saved, key)!r} -> {_lookup(now, key)!r}) and it "
             f"changes the training recipe; restore it, accept it with checkpoint.allow_changes=[{key}], or {fresh}"
         )
-    if saved_dp is None or dp is None or saved_dp == dp:
+    if dp is None or saved_dp == dp:
         return
     if cfg.parallel.zero_stage not in ELASTIC_ZERO_STAGES:
         raise ConfigError(
@@ -197,7 +197,7 @@ class TrainState:
         self.step, self.tokens_seen, self.run_id = state["step"], state["tokens_seen"], state.get("run_id")
         if self.loader is not None:
             self.loader.load_state_dict(state["loader"])
-        if self.skipper is not None and state.get("skips"):  # saved before steps were skipped: a fresh window
+        if self.skipper is not None:
             self.skipper.load_state_dict(state["skips"])
         _set_rng_state(state["rng"])
 
@@ -263,8 +263,8 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState, source_dir: Path
 
     load_dir = Path(source_dir or cfg.checkpoint_dir)
     tp, tag_dir = cfg.parallel.tp, load_dir / tag
-    record = checkpoint.read_integrity(tag_dir) or {}
-    saved_tp, saved_dp = record.get("tp") or tp, record.get("dp_size")
+    record = checkpoint.read_integrity(tag_dir)  # the resume verified it (or a cooldown branch's start)
+    saved_tp, saved_dp = record["tp"], record["dp_size"]
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     resharded = reshards(saved_tp, saved_dp, tp, dp)
@@ -284,7 +284,6 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState, source_dir: Path
     if path is None:
         raise ConfigError(f"{tag_dir}: DeepSpeed found no checkpoint files; delete the folder to restart")
     ranks = client["prism"]["ranks"]
-    saved_dp = saved_dp or len(ranks) // saved_tp
     if not resharded and len(ranks) != dist.get_world_size():
         raise ConfigError(
             f"{tag_dir}: saved by {len(ranks)} processes, this run has {dist.get_world_size()}; "
@@ -294,6 +293,6 @@ def load(engine: Any, cfg: Config, tag: str, state: TrainState, source_dir: Path
     if saved_tp != tp:
         source = {**source, "rng": {k: v for k, v in source["rng"].items() if k != "megatron"}}
     shared = {"step": client["prism"]["step"], "tokens_seen": client["tokens_seen"], "run_id": client.get("run_id")}
-    shared["skips"] = client["prism"].get("skips")
+    shared["skips"] = client["prism"]["skips"]
     state.load_state_dict({**shared, **source})
     return saved_dp

@@ -1,5 +1,6 @@
-"""Checkpoint saves during training: when one is due by the clock, how it is written, when it counts, and
-what a failed one does to the run. The layout and the integrity record are pipeline.checkpoint's.
+"""Checkpoint saves during training: the clock pipeline.cadence reads (checkpoint.every_minutes), how a save is
+written, when it counts, and what a failed one does to the run. The layout and the integrity record are
+pipeline.checkpoint's; the commit order is pipeline.checkpoint.commit's.
 
 Non-blocking (``checkpoint.async_save: true``, the default): the step waits only while DeepSpeed's state
 dicts are copied to host memory (pipeline.compat.stage_checkpoint_writes; pinned buffers on CUDA, reused);
@@ -11,8 +12,9 @@ reader never sees a tag before its record, and a kill at any moment leaves the p
 ``latest``. At most one save is in flight: a save that comes due before the previous one committed waits
 for it, and the console says how long.
 
-Synchronous (``checkpoint.async_save: false``): pipeline.checkpoint.commit.save, every rank blocked until
-``latest`` moved.
+Synchronous (``checkpoint.async_save: false``): the same save, written to disk by the calling thread and
+settled at once, every rank blocked until ``latest`` moved. Both modes commit through
+pipeline.checkpoint.commit.commit_tag, so a tag reads the same however it was written.
 
 Failure policy (both modes): a save that fails on any rank (disk full, I/O error) is removed, one warning
 line says why, the run goes on and the next save is attempted. ``checkpoint.max_failed_saves`` failures in a
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,14 +41,14 @@ from pipeline.exit_codes import InfrastructureFault
 
 @dataclass
 class InFlight:
-    """One staged save: its background write and what it produced on this rank."""
+    """One save from its start to its commit: what it wrote on this rank, and a background save's thread."""
 
     tag: str
     step: int
     meta: dict[str, Any]
     final: bool
     staged_at: float
-    thread: threading.Thread | None = None
+    thread: threading.Thread | None = None  # None: a synchronous save, written by the caller
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"size", "sha256"}, this rank's
     error: BaseException | None = None
 
@@ -53,7 +56,7 @@ class InFlight:
 class Saver:
     """Every rank holds one and calls it at the same steps (the loop's sync steps)."""
 
-    def __init__(self, engine: Any, cfg: Config, device: str) -> None:
+    def __init__(self, engine: Any, cfg: Config, device: str, clock: Callable[[], float] = time.monotonic) -> None:
         import torch.distributed as dist
 
         from pipeline import compat
@@ -64,18 +67,19 @@ class Saver:
         self.group = dist.new_group(backend="gloo") if device == "cuda" else None
         self.in_flight: InFlight | None = None
         self.failed_in_a_row = 0
-        self.clock = time.monotonic()  # the last save's start (or this start: a resume keeps the cadence)
+        self.clock = clock  # the checkpoint clock (checkpoint.every_minutes); a test may pass its own
+        self.last_save = clock()  # the last save's start (or this start: a resume keeps the cadence)
 
     # --- what the loop calls ---------------------------------------------------------------------------
-    def minutes_due(self) -> bool:
-        """checkpoint.every_minutes: global rank 0's clock decides, every rank learns it (a collective; the
-        loop asks at sync steps only)."""
+    def since_save(self) -> float:
+        """Seconds since the last save started (or this start: a resume keeps the cadence), global rank 0's
+        clock, so every rank gets the same reading (a collective). pipeline.cadence decides what it means."""
         import torch
         import torch.distributed as dist
 
-        due = torch.tensor([float(time.monotonic() - self.clock >= 60 * self.cfg.checkpoint.every_minutes)])
-        dist.broadcast(due, src=0, group=self.group)
-        return bool(due.item())
+        seconds = torch.tensor([float(self.clock() - self.last_save)], dtype=torch.float64)
+        dist.broadcast(seconds, src=0, group=self.group)
+        return float(seconds.item())
 
     def save(self, state: TrainState, final: bool = False) -> None:
         """Start (non-blocking) or write (synchronous) the checkpoint of ``state.step``. ``final``: the run
@@ -88,11 +92,19 @@ class Saver:
                     f"prism train: checkpoint of step {state.step} waited {waited:.1f} s for {waiting_for}'s "
                     f"background write (one save in flight at a time)"
                 )
-        self.clock = time.monotonic()
-        if self.staging is None:
-            self._save_synchronously(state, final)
-        else:
-            self._stage(state, final)
+        self.last_save = self.clock()
+        job, staged = self._start(state, final)
+        self.in_flight = job
+        if self.staging is None:  # synchronous: the same save, written here and settled at once
+            self._write_here(job, staged)
+            self.settle()
+            return
+        job.thread = threading.Thread(target=self._write, args=(job, staged), name=f"write {job.tag}", daemon=True)
+        job.thread.start()
+        say(
+            f"prism train: checkpoint {job.tag} staged in {time.perf_counter() - job.staged_at:.2f} s, writing in "
+            f"the background"
+        )
 
     def poll(self) -> None:
         """At a sync step: commit the save in flight if every rank's write is done (a collective)."""
@@ -104,17 +116,10 @@ class Saver:
         if self.in_flight is not None:
             self.settle()
 
-    # --- the two ways of writing -------------------------------------------------------------------------
-    def _save_synchronously(self, state: TrainState, final: bool) -> None:
-        try:
-            tag = commit.save(self.engine, self.cfg, state)
-        except commit.CheckpointWriteError as e:
-            self._failed(checkpoint.tag_for(state.step), e.cause, final)
-            return
-        self.failed_in_a_row = 0
-        say(f"prism train: checkpoint {self.cfg.checkpoint_dir / tag}")
-
-    def _stage(self, state: TrainState, final: bool) -> None:
+    # --- writing ---------------------------------------------------------------------------------------
+    def _start(self, state: TrainState, final: bool) -> tuple[InFlight, list[tuple[str, Any]]]:
+        """Every rank: DeepSpeed's save of tag ``step-NNNNNNN``, into host memory (staged: the files to write
+        are returned) or straight to disk (synchronous); rank 0 adds config.yaml to the files to write."""
         import torch.distributed as dist
 
         tag, client_state, meta = commit.begin_save(self.cfg, state)
@@ -124,23 +129,19 @@ class Saver:
             self.engine.save_checkpoint(
                 str(self.cfg.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False
             )
-            staged = self.staging.take_staged()
-        except (OSError, RuntimeError) as e:  # the folder could not be made: settled like a failed write
+            staged = self.staging.take_staged() if self.staging is not None else []
+        except (OSError, RuntimeError) as e:  # settled like a failed write
             job.error = e
-            self.staging.take_staged()
+            if self.staging is not None:
+                self.staging.take_staged()
             dist.barrier()  # DeepSpeed's closing barrier, which the other ranks wait in, was skipped here
         if dist.get_rank() == 0 and job.error is None:
             staged.append((str(checkpoint.config_file(self.cfg.checkpoint_dir / tag)), self.cfg.dump()))
-        job.thread = threading.Thread(target=self._write, args=(job, staged), name=f"write {tag}", daemon=True)
-        job.thread.start()
-        self.in_flight = job
-        say(
-            f"prism train: checkpoint {tag} staged in {time.perf_counter() - job.staged_at:.2f} s, writing in "
-            f"the background"
-        )
+        return job, staged
 
     def _write(self, job: InFlight, staged: list[tuple[str, Any]]) -> None:
-        """The background thread: this rank's files, each hashed after it is written."""
+        """This rank's files (the background thread, or the caller for config.yaml of a synchronous save),
+        each hashed after it is written."""
         try:
             for path, content in staged:
                 if isinstance(content, str):
@@ -152,6 +153,19 @@ class Saver:
         except BaseException as e:  # reported to every rank at the commit
             job.error = e
 
+    def _write_here(self, job: InFlight, staged: list[tuple[str, Any]]) -> None:
+        """A synchronous save's write: config.yaml, then every rank hashes its share of the tag's files
+        (DeepSpeed wrote them directly), so the commit has every file's record as after a background write."""
+        import torch.distributed as dist
+
+        self._write(job, staged)
+        dist.barrier(group=self.group)  # every rank's files are on disk
+        if job.error is None:
+            try:
+                job.files |= checkpoint.hash_share(checkpoint.tag_files(self.cfg.checkpoint_dir / job.tag))
+            except OSError as e:
+                job.error = e
+
     # --- commit or fail ----------------------------------------------------------------------------------
     def _all_done(self) -> bool:
         import torch
@@ -162,11 +176,13 @@ class Saver:
         return bool(done.item())
 
     def settle(self) -> None:
-        """Wait for this rank's write; then, over all ranks, commit the tag or remove it (failure policy)."""
+        """Wait for this rank's write; then, over all ranks, commit the tag (pipeline.checkpoint.commit's one
+        order) or remove it (failure policy)."""
         import torch.distributed as dist
 
         job, self.in_flight = self.in_flight, None
-        job.thread.join()
+        if job.thread is not None:
+            job.thread.join()
         ckpt_dir = self.cfg.checkpoint_dir
         cause = commit.agreed_failure(job.error, ckpt_dir, job.tag, self.group)
         if cause is None:
@@ -175,7 +191,7 @@ class Saver:
             error = None
             if dist.get_rank() == 0:
                 try:
-                    self._commit(job, {name: entry for part in parts for name, entry in part.items()})
+                    commit.commit_tag(self.cfg, job.tag, job.meta, {n: e for part in parts for n, e in part.items()})
                 except OSError as e:
                     error = e
             cause = commit.agreed_failure(error, ckpt_dir, job.tag, self.group)
@@ -183,20 +199,13 @@ class Saver:
             self._failed(job.tag, cause, job.final)
             return
         self.failed_in_a_row = 0
+        if job.thread is None:
+            say(f"prism train: checkpoint {ckpt_dir / job.tag}")
+            return
         say(
             f"prism train: checkpoint {ckpt_dir / job.tag} complete ({time.perf_counter() - job.staged_at:.1f} s "
             f"after staging)"
         )
-
-    def _commit(self, job: InFlight, files: dict[str, dict[str, Any]]) -> None:
-        """Global rank 0, every rank's files on disk: the integrity record, then ``latest``, then pruning."""
-        tag_dir = self.cfg.checkpoint_dir / job.tag
-        for path in checkpoint.tag_files(tag_dir):  # what DeepSpeed wrote directly (zero_to_fp32.py)
-            if path.name not in files:
-                files[path.name] = checkpoint.file_record(path)
-        checkpoint.write_record(tag_dir, job.meta, dict(sorted(files.items())))
-        write_atomic(self.cfg.checkpoint_dir / checkpoint.LATEST, job.tag)
-        commit.prune(self.cfg.checkpoint_dir, self.cfg, keep=job.tag)  # marks a milestone, then prunes
 
     def _failed(self, tag: str, cause: str, final: bool) -> None:
         """Every rank, the same arguments: one warning line, or the fault that ends the run."""

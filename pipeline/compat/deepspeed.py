@@ -351,13 +351,13 @@ class StagingCheckpointEngine:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.staged: list[tuple[str, Any]] = []
-        self._host: dict[tuple[str, int], torch.Tensor] = {}  # (file name, n-th tensor) -> reused buffer
+        self._host: dict[tuple[str, int], Any] = {}  # (file name, n-th storage) -> its reused host storage
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def save(self, state_dict: Any, path: str) -> None:
-        copies: dict[int, torch.Tensor] = {}  # a tensor referenced twice (tied weights) is copied once
+        copies: dict[Any, Any] = {}  # a tensor referenced twice (tied weights) is copied once, a storage too
         self.staged.append((path, self._to_host(state_dict, os.path.basename(path), copies)))
 
     def commit(self, info: Any) -> bool:
@@ -373,13 +373,16 @@ class StagingCheckpointEngine:
     def write(self, state: Any, path: str) -> None:
         torch.save(state, path, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
 
-    def _to_host(self, value: Any, name: str, copies: dict[int, torch.Tensor]) -> Any:
+    def _to_host(self, value: Any, name: str, copies: dict[Any, Any]) -> Any:
         if isinstance(value, torch.Tensor):
             if id(value) not in copies:
-                copies[id(value)] = self._host_copy(value, (name, len(copies)))
+                copies[id(value)] = self._host_copy(value, name, copies)
             return copies[id(value)]
         if isinstance(value, dict):
-            return type(value)((k, self._to_host(v, name, copies)) for k, v in value.items())
+            host = type(value)((k, self._to_host(v, name, copies)) for k, v in value.items())
+            if hasattr(value, "__dict__"):  # a state dict's _metadata (module versions) is pickled too
+                host.__dict__.update(value.__dict__)
+            return host
         if isinstance(value, list):
             return [self._to_host(v, name, copies) for v in value]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -387,10 +390,19 @@ class StagingCheckpointEngine:
             return value if all(a is b for a, b in zip(items, value, strict=True)) else tuple(items)
         return value  # ints, strings, configs, numpy RNG states: fresh or never changed by a step
 
-    def _host_copy(self, t: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
-        t = t.detach()
-        buf = self._host.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            self._host[key] = buf
-        return buf.copy_(t, non_blocking=t.is_cuda)
+    def _host_copy(self, t: torch.Tensor, name: str, copies: dict[Any, Any]) -> torch.Tensor:
+        """A host view of ``t`` over a host copy of its whole storage, made once per storage: views that share
+        a storage (a flat parameter buffer) still share one, with the same offsets, and the copy keeps
+        requires_grad, so torch.save writes the file DeepSpeed would have written from these tensors."""
+        requires_grad, t = t.requires_grad, t.detach()
+        storage = t.untyped_storage()
+        if ("storage", storage.data_ptr()) not in copies:
+            key = (name, sum(k[0] == "storage" for k in copies if isinstance(k, tuple)))
+            buf = self._host.get(key)
+            if buf is None or buf.nbytes() != storage.nbytes():
+                pinned = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=t.is_cuda)
+                buf = self._host[key] = pinned.untyped_storage()
+            copies[("storage", storage.data_ptr())] = buf.copy_(storage, non_blocking=t.is_cuda)
+        host = copies[("storage", storage.data_ptr())]
+        view = torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+        return view.requires_grad_(requires_grad)

@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline import schedule
+from pipeline import cadence, schedule
 from pipeline.config.errors import ConfigError
 from pipeline.config.resume_keys import RECIPE_KEYS
 
@@ -199,7 +199,8 @@ def check_combinations(cfg: Config) -> None:
     for key in cfg.checkpoint.allow_changes:
         if key not in RECIPE_KEYS:
             fail("checkpoint.allow_changes", f"{key!r} cannot change on resume; allowed: {', '.join(RECIPE_KEYS)}")
-    check_milestones(cfg)
+    if (problem := cadence.keys_problem(cfg)) is not None:  # pipeline.cadence owns the cadence keys' rule
+        raise ConfigError(f"{cfg.source}: {problem}")
     check_val_sets(cfg)
     check_lr_schedule(cfg)
 
@@ -225,17 +226,6 @@ def check_lr_schedule(cfg: Config) -> None:
         raise ConfigError(
             f"{cfg.source}: cooldown.decay_tokens: {c.decay_tokens} is less than one step "
             f"(train.batch_tokens={t.batch_tokens}); decay over at least {t.batch_tokens} tokens"
-        )
-
-
-def check_milestones(cfg: Config) -> None:
-    c = cfg.checkpoint
-    if c.keep_every_steps % c.every_steps:
-        below = c.keep_every_steps // c.every_steps * c.every_steps
-        suggest = ", ".join(str(v) for v in (below, below + c.every_steps) if v > 0)
-        raise ConfigError(
-            f"{cfg.source}: checkpoint.keep_every_steps: {c.keep_every_steps} is not a multiple of "
-            f"checkpoint.every_steps={c.every_steps} (a milestone is a checkpoint that is kept); use e.g. {suggest}"
         )
 
 

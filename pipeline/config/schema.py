@@ -203,12 +203,13 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 1000
     # Save by the clock instead (minutes of training since the last save, decided at sync steps); when set,
-    # every_steps is not used. `prism plan` prints the Young-Daly interval for a layout.
+    # every_steps is not used (milestones and the last step still save). `prism plan` prints the Young-Daly
+    # interval for a layout and how many saves the run makes.
     every_minutes: float | None = None
     keep_last: int = 2  # the newest tags kept; older ones are deleted unless they are milestones
     # Milestones: the checkpoints at every keep_every_steps-th step (and the last step) are never pruned, for
     # scoring accuracy against tokens afterwards (`prism eval RUN_DIR --milestones`). 0: none. A multiple of
-    # every_steps.
+    # every_steps when saving by steps; any value with every_minutes.
     keep_every_steps: int = 0
     # A milestone older than the keep_last newest tags keeps only its weights (mp_rank_*_model_states.pt,
     # what eval and export read): its optimizer files are dropped; resume never picks it.

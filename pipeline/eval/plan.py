@@ -1,6 +1,6 @@
 """What validation and downstream evals cost a run: the "val + eval" lines of `prism plan`.
 
-The steps that validate and evaluate are pipeline.cadence's answer (step_actions). Pure arithmetic, no torch.
+The steps that validate and evaluate are pipeline.cadence's answer (planned). Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ def aside_cost(cfg: Config, total_steps: int) -> dict[str, Any]:
     of the run's wall time. N: how many the loop runs (step_actions); T_val: the tokens of every validation set
     (Config.validation_sets()) in whole rows (pipeline.data.load_val_tokens); T_eval: the input tokens of eval_tasks at eval_limit (pipeline.eval.catalog,
     GPT-NeoX BPE counts); T_train: the tokens trained."""
-    from pipeline.cadence import step_actions
+    from pipeline.cadence import planned
     from pipeline.eval.catalog import eval_tokens
 
     t = cfg.train
-    actions = [step_actions(cfg, step, total_steps) for step in range(1, total_steps + 1)]
+    actions = planned(cfg, 0, total_steps).values()
     validations, evals = sum(a.validate for a in actions), sum(a.eval for a in actions)
     seq = cfg.model.seq_len
     per_validation = sum(max(1, v.tokens // seq) * seq for v in cfg.validation_sets())

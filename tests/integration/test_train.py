@@ -356,9 +356,12 @@ def reference_loop(cfg: config.Config, dp_size: int, steps: int) -> tuple[list[f
 
 def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tmp_path):
     """Also the checkpoint clock over two ranks: checkpoint.every_minutes so small that every sync step is due
-    (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it.
-    And the slowest rank named: rank 1 sleeps 0.2 s in each data fetch (the numbers do not change)."""
-    ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2", "checkpoint.every_minutes=1e-6")
+    (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it;
+    with the clock a milestone every 4 steps (not a multiple of every_steps=3, which the clock leaves unused)
+    is kept while keep_last=1 prunes the rest. And the slowest rank named: rank 1 sleeps 0.2 s in each data
+    fetch (the numbers do not change)."""
+    clock = ("checkpoint.every_minutes=1e-6", "checkpoint.keep_every_steps=4", "checkpoint.keep_last=1")
+    ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2", *clock)
     slow = {"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4", "PRISM_FAULT_SLOW_RANK": "1:0.2"}
     log = run(ov, nproc=2, faults=slow).stdout
     staged = [
@@ -368,6 +371,8 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     assert "checkpoint of step 5 waited" in log and "for step-0000004's background write" in log, log
     ckpt = checkpoint_dir(tmp_path)
     assert (ckpt / "latest").read_text() == "step-0000006" and checkpoint.verify(ckpt / "step-0000006") is None
+    assert checkpoint.tag_names(ckpt) == ["step-0000004", "step-0000006"]  # the milestone and the newest
+    assert checkpoint.milestone_tags(ckpt) == ["step-0000004", "step-0000006"]  # the last step is one too
     m = metrics(tmp_path)
     want_loss, want_norm = reference_loop(config.load(PRESET, ov), dp_size=2, steps=3)
     # step 1: same weights, same global batch; only the reduction order differs (a wrong DP averaging or

@@ -96,8 +96,69 @@ def test_plan_states_what_milestones_cost_and_refuses_a_bad_keep_every_in_one_li
     # 39,997 steps: 19 milestones every 2,000 and the last; 757M parameters x 2 bytes each (bf16 weights)
     assert "20 (every 2,000 steps" in line and "weights-only: 30.3 GB" in line
     assert "a full one 10.60 GB = weights 1.51 + fp32 masters 3.03 + AdamW moments 6.06" in line
-    assert main(["plan", "configs/prism_757m.yaml", "checkpoint.keep_every_steps=1500"]) == 2
+    # the preset saves by the clock (checkpoint.every_minutes): every_steps is not used, any keep_every_steps holds
+    by_steps = ["checkpoint.every_minutes=null", "checkpoint.keep_every_steps=1500"]
+    assert main(["plan", "configs/prism_757m.yaml", *by_steps]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         len(err) == 1 and "checkpoint.keep_every_steps: 1500 is not a multiple of checkpoint.every_steps=1000" in err[0]
     )
+
+
+def test_the_preset_with_the_clock_loads_any_keep_every_and_step_actions_keeps_those_milestones():
+    """The 757M preset saves by the clock (checkpoint.every_minutes): every_steps is not used, so
+    keep_every_steps need not be a multiple of it (the docs' rule); every milestone still saves."""
+    from pipeline import config
+    from pipeline.budget import milestone_line
+
+    cfg = config.load("configs/prism_757m.yaml", ["checkpoint.keep_every_steps=500"])
+    assert cfg.checkpoint.every_minutes == 41 and cfg.checkpoint.every_steps == 1000
+    assert milestone_line(cfg, 39997).split()[1] == "80"  # 79 multiples of 500 below 39,997, and the last step
+    actions = {s: step_actions(cfg, s, 1600) for s in (500, 1000, 1500, 1600)}
+    assert all(a.milestone and a.checkpoint for a in actions.values())
+    assert not step_actions(cfg, 1200, 1600).checkpoint  # no save by steps with the clock on
+
+
+def test_the_eta_and_the_plan_count_the_clocks_saves():
+    """checkpoint.every_minutes: the console's ETA and `prism plan` count the saves the clock will make, at the
+    measured (or planned) seconds per step, by cadence's rule: a sync step that saves for no other reason saves
+    once every_minutes have passed since the last save; a milestone save restarts the clock."""
+    from pipeline import cadence, config
+    from pipeline.checkpoint.plan import checkpoint_plan, saves_line
+    from pipeline.console import Progress
+
+    # 60 steps, log every 5, a 1-minute clock, a milestone at 30 and the last; a step takes 4 s: 15 steps a minute
+    cfg = config.load(
+        "configs/tiny_prism.yaml",
+        [
+            "train.train_tokens=122880",
+            "train.log_every=5",
+            "train.val_every=1000",
+            "checkpoint.every_minutes=1",
+            "checkpoint.keep_every_steps=30",
+        ],
+    )
+    syncs = {s: a for s, a in cadence.planned(cfg, 0, 60).items() if a.sync}
+    assert cadence.checkpoint_steps(cfg, syncs, 4.0, 0) == [15, 30, 45, 60]  # 15, 45 by the clock
+    assert cadence.checkpoint_steps(cfg, syncs, 3.0, 0) == [20, 30, 50, 60]  # the first sync step >= 60 s
+    assert cadence.checkpoint_steps(cfg, syncs, None, 0) == [30, 60]  # pace unknown: by steps only
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    progress = Progress(
+        60, 0, 1024, [], lambda per_step: cadence.checkpoint_steps(cfg, syncs, per_step, 0), 0, clock=clock
+    )
+    with progress.aside("checkpoint"):
+        clock.now += 10.0  # a measured save: 10 s
+    progress.trained(5 * 4.0)
+    pace = progress.pace(5)
+    assert pace.eta == 55 * 4.0 + 4 * 10.0  # the steps left and four saves, two of them by the clock
+
+    plan = checkpoint_plan(cfg, nodes=1, tp=1, dp=1)
+    line = saves_line(cfg, plan, 4.0)  # `prism plan`'s line, at the plan's seconds per step
+    assert "4 in the run (2 by the clock, 2 by steps" in line, line

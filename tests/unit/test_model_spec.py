@@ -88,20 +88,25 @@ def test_resume_across_specs_is_refused_naming_both(tmp_path):
     assert yaml.safe_load(cfg.dump())["model"]["spec"] == "local"  # the checkpoint's config records it
 
 
-def test_checkpoint_records_the_spec_and_resume_refuses_another(tmp_path):
-    """The spec is part of the weights' layout (TE fuses norms, adds _extra_state): the resume policy refuses
-    another one from the saved config, before any weights load."""
-    from pipeline.checkpoint import commit, restore
+def test_a_save_records_the_spec_where_the_resume_reads_it(tmp_path):
+    """The spec is part of the weights' layout (TE fuses norms, adds _extra_state): a save writes it in the
+    tag's config.yaml, and the resume policy refuses another spec from there, before any weights load."""
+    from pipeline.checkpoint import restore
+    from pipeline.checkpoint.writer import Saver
 
-    class Engine:  # what commit.save touches of a DeepSpeed engine
+    class Engine:  # what a synchronous save touches of a DeepSpeed engine: it writes the tag's files
         def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            (tmp_path / tag).mkdir(parents=True, exist_ok=True)
+            (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
             self.client_state = client_state
 
-    cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}"])
-    distributed.init_model_parallel(1, cfg.run.seed)  # save asks megatron for the data-parallel layout
+    cfg = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "checkpoint.async_save=false"])
+    distributed.init_model_parallel(1, cfg.run.seed)  # the save asks megatron for the data-parallel layout
     engine = Engine()
-    commit.save(engine, cfg, restore.TrainState(step=2))
-    assert engine.client_state["prism"]["spec"] == "local"
+    Saver(engine, cfg, "cpu").save(restore.TrainState(step=2))
+    assert (tmp_path / "latest").read_text() == "step-0000002"
+    assert yaml.safe_load((tmp_path / "step-0000002" / "config.yaml").read_text())["model"]["spec"] == "local"
+    assert set(engine.client_state["prism"]) == {"step", "ranks", "skips"}  # what restore.load reads
     other = config.load(PRESET, [f"checkpoint.dir={tmp_path}", "model.spec=transformer_engine"])
     with pytest.raises(ConfigError, match=r"model.spec changed \('local' -> 'transformer_engine'\)"):
         restore.resume_point(other)

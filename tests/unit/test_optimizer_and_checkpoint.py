@@ -159,16 +159,28 @@ def test_step_actions_by_hand():
 
 
 def test_step_actions_with_a_checkpoint_clock():
-    """checkpoint.every_minutes replaces every_steps: a step checkpoints when the ranks agreed the clock is
-    due (asked at sync steps), at the last step and on a stop signal."""
+    """checkpoint.every_minutes replaces every_steps: a step checkpoints when the ranks' clock reading says
+    every_minutes have passed since the last save, read at sync steps that save for no other reason only (a
+    collective in the loop); also at the last step and on a stop signal."""
     from pipeline import config
     from pipeline.cadence import step_actions
 
     cfg = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "checkpoint.every_minutes=30"])
     assert not any(step_actions(cfg, step, 9).checkpoint for step in range(1, 9))
     assert step_actions(cfg, 9, 9).checkpoint and step_actions(cfg, 3, 9, stop=True).checkpoint
-    due = step_actions(cfg, 4, 9, minutes_due=True)
-    assert due.checkpoint and due.sync
+    read = []
+
+    def clock(seconds):
+        return lambda: read.append(seconds) or seconds
+
+    due = step_actions(cfg, 4, 9, since_save=clock(30 * 60))
+    assert due.checkpoint and due.sync and read == [1800]
+    assert not step_actions(cfg, 4, 9, since_save=clock(30 * 60 - 1)).checkpoint
+    step_actions(cfg, 3, 9, since_save=clock(1e9))  # not a sync step: the clock is not read
+    step_actions(cfg, 9, 9, since_save=clock(1e9))  # the last step saves anyway: not read either
+    assert read == [1800, 1799]
+    by_steps = config.load("configs/tiny_prism.yaml", ["train.log_every=2", "checkpoint.every_steps=4"])
+    assert not step_actions(by_steps, 2, 9, since_save=clock(1e9)).checkpoint and read == [1800, 1799]
 
 
 def test_staged_checkpoint_files_are_host_copies_taken_at_save_time():
