@@ -358,11 +358,12 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     """Also the checkpoint clock over two ranks: checkpoint.every_minutes so small that every sync step is due
     (rank 0's clock, agreed by both), and step 4's background write slowed so that step 5's save waits for it;
     with the clock a milestone every 4 steps (not a multiple of every_steps=3, which the clock leaves unused)
-    is kept while keep_last=1 prunes the rest. And the slowest rank named: rank 1 sleeps 0.2 s in each data
-    fetch (the numbers do not change)."""
+    is kept while keep_last=1 prunes the rest. And the slowest rank named: rank 1 sleeps 0.5 s in each data
+    fetch (the numbers do not change): rank 0 also runs the background writes, whose thread takes the GIL from
+    its forward, so a smaller margin named rank 0 on a loaded machine."""
     clock = ("checkpoint.every_minutes=1e-6", "checkpoint.keep_every_steps=4", "checkpoint.keep_last=1")
     ov = overrides(tiny_data, tmp_path, "parallel.zero_stage=2", *clock)
-    slow = {"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4", "PRISM_FAULT_SLOW_RANK": "1:0.2"}
+    slow = {"PRISM_FAULT_CHECKPOINT_WRITE": "slow:4", "PRISM_FAULT_SLOW_RANK": "1:0.5"}
     log = run(ov, nproc=2, faults=slow).stdout
     staged = [
         int(line.split("step-")[1][:7]) for line in log.splitlines() if line.endswith("writing in the background")
@@ -380,7 +381,7 @@ def test_dp2_zero2_matches_single_process_on_the_same_global_batch(tiny_data, tm
     assert (m[1]["train/loss"], m[1]["train/grad_norm"]) == pytest.approx((want_loss[0], want_norm[0]), rel=2e-4)
     assert losses(m)[:3] == pytest.approx(want_loss, rel=2e-3)
     assert losses(m, "train/grad_norm")[:3] == pytest.approx(want_norm, rel=2e-3)
-    assert all(m[s]["perf/slowest_rank"] == 1 and m[s]["perf/rank_time_max"] >= 0.4 for s in m)  # 2 fetches
+    assert all(m[s]["perf/slowest_rank"] == 1 and m[s]["perf/rank_time_max"] >= 1.0 for s in m)  # 2 fetches
     assert "| slowest rank 1 +" in log
 
 
