@@ -138,3 +138,67 @@ def test_a_sweep_job_keeps_requeueing_after_more_than_three_time_outs(slurm_clus
     log = job.stderr() or ""
     assert log.count("this job is timed-out") >= 4 and "timed-out too many times" not in log, log[-3000:]
     assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
+
+
+def _crashing_sweep_job(tiny_data, tmp_path: Path, monkeypatch, name: str, **faults: str):
+    """A one-node sweep job of a 4-step tiny run with a checkpoint every step and PRISM_FAULT_* (and
+    PRISM_MAX_RESTARTS) in its environment: sbatch passes the submitting environment on."""
+    from pipeline import sweep
+
+    for key, value in faults.items():
+        monkeypatch.setenv(key, value)
+    overrides = tiny_data.overrides + [
+        f"run.output_dir={tmp_path / 'runs'}",
+        "train.batch_tokens=1024",
+        "train.train_tokens=4096",
+        "train.val_tokens=1024",
+        "train.val_every=100",
+        "checkpoint.every_steps=1",
+        "tracking.enabled=false",
+    ]
+    s = sweep.submit(
+        arms=["prism"],
+        scales=["tiny"],
+        seeds=[53],
+        overrides=overrides,
+        executor="slurm",
+        folder=tmp_path / "sweep",
+        name=name,
+        cpus_per_task=1,
+        timeout_min=10,
+    )
+    [job] = s.jobs
+    deadline = time.monotonic() + 420
+    while not job.done():
+        assert time.monotonic() < deadline, (job.stdout() or "")[-3000:]
+        time.sleep(1)
+    return job
+
+
+def test_a_sweep_job_that_crashes_once_restarts_in_its_allocation_and_finishes(
+    slurm_cluster, tiny_data, tmp_path, monkeypatch
+):
+    job = _crashing_sweep_job(
+        tiny_data, tmp_path, monkeypatch, "crash-once", PRISM_FAULT_CRASH="3", PRISM_FAULT_ONCE=str(tmp_path / "fired")
+    )
+    out = job.stdout() or ""
+    assert job.result()["exit_code"] == 0, (out + (job.stderr() or ""))[-4000:]
+    assert "sweep job: crash (a Python exception" in out and "at step 3 (exit 1); restart 1 of 3" in out, out[-4000:]
+    assert "resumed from step-0000002" in out and "training finished" in out, out[-4000:]
+    assert out.count("torch.distributed.run") == 2, out[-4000:]  # two starts
+    assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
+
+
+def test_a_sweep_job_that_crashes_at_every_start_stops_after_the_bound_with_one_line(
+    slurm_cluster, tiny_data, tmp_path, monkeypatch
+):
+    job = _crashing_sweep_job(
+        tiny_data, tmp_path, monkeypatch, "crash-always", PRISM_FAULT_CRASH="1", PRISM_MAX_RESTARTS="1"
+    )
+    out = job.stdout() or ""
+    errors = [line for line in out.splitlines() if line.startswith("sweep job: error:")]
+    assert len(errors) == 1 and "not restarting" in errors[0] and "step 1" in errors[0], out[-4000:]
+    assert out.count("restart 1 of 1 (PRISM_MAX_RESTARTS)") == 1 and "training finished" not in out, out[-4000:]
+    with pytest.raises(Exception, match="not restarting"):
+        job.result()
+    assert slurm_cluster.sacct(job.job_id) == "FAILED"
