@@ -151,7 +151,8 @@ def _crashing_sweep_job(tiny_data, tmp_path: Path, monkeypatch, name: str, **fau
     in its environment (sbatch passes the submitting environment on); returns it once it ended."""
     for key, value in faults.items():
         monkeypatch.setenv(key, value)
-    extra = ("train.val_every=100", "checkpoint.every_steps=1")
+    # a synchronous save: each step's checkpoint is latest before the next step starts (and can crash)
+    extra = ("train.val_every=100", "checkpoint.every_steps=1", "checkpoint.async_save=false")
     _, job = _sweep_job(tiny_data, tmp_path, name, 3, 53, *extra, timeout_min=10)
     deadline = time.monotonic() + 420
     while not job.done():
@@ -169,8 +170,9 @@ def test_a_sweep_job_that_crashes_once_restarts_in_its_allocation_and_finishes(
     out = job.stdout() or ""
     assert job.result()["exit_code"] == 0, (out + (job.stderr() or ""))[-4000:]
     # the fault fires at the start of step 2: one step is done, the record says 1
-    assert "sweep job: crash (a Python exception" in out and "at step 1 (exit 1); restart 1 of 3" in out, out[-4000:]
-    assert "resumed from step-000000" in out and "sweep job: training finished" in out, out[-4000:]
+    restarted = "at step 1 (exit 1); restart 1 of 3 (PRISM_MAX_RESTARTS) from latest, step 1"
+    assert "sweep job: crash (a Python exception" in out and restarted in out, out[-4000:]
+    assert "resumed from step-0000001" in out and "sweep job: training finished" in out, out[-4000:]
     assert out.count("torch.distributed.run") == 2, out[-4000:]  # two starts
     assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
 
