@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline import config, faults, signals
+from pipeline import config, faults, restart, signals
 from pipeline.config import ConfigError
 from pipeline.exit_codes import EXIT_BAD_INPUT
 
@@ -74,8 +74,6 @@ def main(argv: list[str]) -> int:
                 print(f"{key}={value}")
             return 0
         if command == "verdict" and len(args) >= 5 and args[1].lstrip("-").isdigit():
-            from pipeline import restart
-
             history, status, signaled, exit_file = Path(args[0]), int(args[1]), args[2] == "1", Path(args[3])
             record = exit_file.read_text() if exit_file.is_file() else ""
             no_requeue = "" if os.environ.get("PRISM_REQUEUE", "1") == "1" else "PRISM_REQUEUE=0"
@@ -86,7 +84,7 @@ def main(argv: list[str]) -> int:
             return 0
     except (ConfigError, ValueError) as e:
         if command == "verdict":  # the script reads a verdict on stdout
-            print(f"stop {EXIT_BAD_INPUT} error: {e}; not restarting", flush=True)
+            print(f"{restart.STOP} {EXIT_BAD_INPUT} error: {e}; not restarting", flush=True)
             return 0
         print(f"train_job: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
