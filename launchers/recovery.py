@@ -6,7 +6,7 @@ the verdict after each step (pipeline/restart.py decides; the script carries the
 
 `prepare` refuses a layout the config cannot use or a bad PRISM_SHUTDOWN_GRACE / PRISM_SIGNAL_LEAD in one line
 on stderr (exit 2), before srun starts anything; else it makes the diagnostics folder and prints KEY=VALUE
-lines to export: the layout line, the signals the script traps and sends, torchrun's signal environment and
+lines to export: the layout line, the signals the script traps and sends, the status of a step not started, torchrun's signal environment and
 grace (pipeline/signals.py), NCCL's flight recorder path.
 
 `verdict` prints `ACTION EXIT_STATUS LINE` (ACTION: done, requeue, stop or restart) and extends the job's
@@ -59,6 +59,7 @@ def prepare(nodes: int, procs_per_node: int, cfg: config.Config, environ: dict[s
         "PRISM_LAYOUT": layout,
         "PRISM_TRAP_SIGNALS": " ".join(name.removeprefix("SIG") for name in signals.STOP_SIGNALS),
         "PRISM_ASK_TO_STOP": signals.ASK_TO_STOP.removeprefix("SIG"),
+        "PRISM_NOT_STARTED": str(restart.NOT_STARTED),  # the status `verdict` takes for a step not started
         **signals.torchrun_env(grace, environ),
         # NCCL's flight recorder: the last collectives of every rank, dumped when one times out (`torchfrtrace`)
         "TORCH_FR_DUMP_TEMP_FILE": environ.get("TORCH_FR_DUMP_TEMP_FILE") or f"{diagnostics}/nccl_trace_rank_",

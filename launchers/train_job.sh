@@ -120,19 +120,23 @@ while :; do
   export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$attempt.exit"
   rm -f "$PRISM_EXIT_FILE"
   before_start
-  srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
-    torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$attempt" \
-    -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
-  step_pid=$!
-  # A stop signal that came after the last verdict (a restart) and before this start: hand it to this step.
-  [ "$signaled" = 1 ] && forward_stop
-  while :; do
-    wait "$step_pid"
-    rc=$?
-    kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
-  done
-  step_pid=
+  if [ "$signaled" = 1 ]; then  # a stop signal after the last verdict (a restart): do not start
+    rc=$PRISM_NOT_STARTED
+  else
+    srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
+      torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+      --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$attempt" \
+      -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
+    step_pid=$!
+    # a stop signal between the check above and `step_pid` being set: hand it to the step
+    [ "$signaled" = 1 ] && forward_stop
+    while :; do
+      wait "$step_pid"
+      rc=$?
+      kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
+    done
+    step_pid=
+  fi
 
   verdict=$(python -m launchers.recovery verdict "$failures" "$rc" "$signaled" "$PRISM_EXIT_FILE" \
     "$PRISM_CONFIG" "${overrides[@]}")

@@ -4,7 +4,8 @@ script (launchers/train_job.sh, through launchers/recovery.py) and for sweep and
 
 - done: the token budget is done (also when a stop signal lands after the final checkpoint).
 - requeue: a stop signal arrived; the run resumes from `latest` in a new allocation. Also when the signal came
-  between a crash and the next start: restarting would run into the time limit.
+  between a crash and the next start (before the verdict or after it): restarting would run into the time
+  limit.
 - stop: retrying cannot help (NaN/inf, bad input), a crash loop, or the restart bound is used up.
 - restart: a crash, an infrastructure fault or a step that died without an exit record restarts from
   `latest` in this allocation, up to PRISM_MAX_RESTARTS times per job (requeues included). A crash loop, the
@@ -35,6 +36,9 @@ from pipeline.exit_codes import (
 
 MAX_RESTARTS = 3  # default of PRISM_MAX_RESTARTS (the module docstring says why)
 DONE, REQUEUE, STOP, RESTART = "done", "requeue", "stop", "restart"
+# The step's status when it was not started: a stop signal came after the last verdict (a restart), before the
+# next start. The job script checks for that right before each start.
+NOT_STARTED = -1
 HISTORY_FILE = "restart-history.txt"  # a submitit job's failure history, next to its exit record
 
 
@@ -62,6 +66,10 @@ def decide(
     the steps earlier failures of this job were at; ``latest_step``: the step `latest` names (0 without one);
     ``no_requeue``: why this launcher does not requeue ('' when it does); ``where``: the kept diagnostics."""
     reason, step = record or ("", latest_step)
+    if status == NOT_STARTED:
+        return _requeue(
+            f"a stop signal arrived before the restart; resuming from latest, step {latest_step}", no_requeue
+        )
     if reason == "finished" or (record is None and status == 0):  # no record: the trainer said why above
         late = (
             f"a stop signal arrived after the final checkpoint (step exit {status}); nothing to resume; "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA, EXIT_NONFINITE, EXIT_STOPPED
-from pipeline.restart import DONE, REQUEUE, RESTART, STOP, decide
+from pipeline.restart import DONE, NOT_STARTED, REQUEUE, RESTART, STOP, decide
 
 WHERE = "/runs/x/checkpoints/diagnostics"
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +47,8 @@ POLICY = [
     # a stop signal between a crash and the next start: requeue (counted), not a restart into the time limit
     (("crashed", 7), 1, True, [], 6, REQUEUE, EXIT_STOPPED, 7, "then a stop signal; restart 1 of 3"),
     (("crashed", 7), 1, True, [7], 6, STOP, EXIT_CRASHED, 7, "crash loop"),  # a loop stays a loop
+    # a stop signal after the crash's verdict (a restart) and before the next start: requeue, no start
+    (None, NOT_STARTED, True, [7], 6, REQUEUE, EXIT_STOPPED, None, "before the restart"),
     # the signal killed the step before the trainer could checkpoint: requeue, not a failure
     (None, 138, True, [], 4, REQUEUE, EXIT_STOPPED, None, "before the trainer could checkpoint"),
 ]
