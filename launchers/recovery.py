@@ -1,115 +1,96 @@
-"""Whether a failed `prism train` step restarts in its allocation (launchers/train_job.sh asks, once per failure).
+"""The job script's two Python calls (launchers/train_job.sh): everything it needs before the first step, and
+the verdict after each step (pipeline/restart.py decides; the script carries the verdict out).
 
-    python -m launchers.recovery HISTORY_FILE EXIT_STATUS EXIT_RECORD CONFIG [overrides...]
-    python -m launchers.recovery --diagnostics CONFIG [overrides...]   # prints the run's diagnostics folder
-    python -m launchers.recovery --torchrun-env GRACE_S                  # prints KEY=VALUE lines to export
+    python -m launchers.recovery prepare NODES PROCS_PER_NODE CONFIG [overrides...]
+    python -m launchers.recovery verdict HISTORY_FILE EXIT_STATUS SIGNALED EXIT_FILE CONFIG [overrides...]
 
-A crash (exit record `crashed STEP`: a Python exception), an infrastructure fault (`infra STEP`: a lost rank,
-a timed-out collective, checkpoint writes failing in a row) or a step that died without a record (a killed or
-lost process: the step is then the one `latest` names) restarts from `latest`, up to PRISM_MAX_RESTARTS times
-per job (every start of it, requeues included; default 3). A crash loop, the same step failing again after a
-restart, stops at once. Prints one line; exits 0 to restart, else with the exit status the job should end
-with (5 for an infrastructure fault). Bad input (2) and a non-finite loss (4) never get here: retrying cannot
-help them.
+`prepare` refuses a layout the config cannot use or a bad PRISM_SHUTDOWN_GRACE / PRISM_SIGNAL_LEAD in one line
+on stderr (exit 2), before srun starts anything; else it makes the diagnostics folder and prints KEY=VALUE
+lines to export: the layout line, the signals the script traps and sends, the status of a step not started, torchrun's signal environment and
+grace (pipeline/signals.py), NCCL's flight recorder path.
 
-Why 3: Llama 3 405B's training saw 419 interruptions in 54 days on 16k GPUs, about 5e-4 per GPU-day. The
-757M run (8 GPUs for 9 hours, or 64 GPUs for a day or two) expects far below one; three failures in one job
-mean a sick node or a bug, and a person should look. The history lives in the job state folder, so a job
-requeued after a stop signal keeps counting.
+`verdict` prints `ACTION EXIT_STATUS LINE` (ACTION: done, requeue, stop or restart) and extends the job's
+failure history (HISTORY_FILE) by a counted failure.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INFRA, parse_exit_record
-from pipeline.runs.launch import torchrun_env
-
-MAX_RESTARTS = 3  # default of PRISM_MAX_RESTARTS (the module docstring says why)
-
-WHAT = {
-    "infra": "infrastructure fault (a lost rank, a timed-out collective or failing checkpoint writes)",
-    "crashed": "crash (a Python exception; its traceback is in the job log)",
-    "": "the step died without an exit record (a killed or lost process)",
-}
+from pipeline import config, faults, restart, signals
+from pipeline.config import ConfigError
+from pipeline.exit_codes import EXIT_BAD_INPUT
 
 
-@dataclass(frozen=True)
-class Verdict:
-    restart: bool
-    line: str
-    exit_status: int  # 0 when restarting
-    step: int  # the step this failure counts at
-
-
-def decide(record: str, status: int, history: list[int], latest_step: int, max_restarts: int, where: str) -> Verdict:
-    """``record``: the exit record ('' when none); ``history``: the steps earlier failures of this job were
-    at; ``latest_step``: the step `latest` names (0 without one); ``where``: the kept diagnostics."""
-    parsed = parse_exit_record(record)
-    reason = parsed[0] if parsed and parsed[0] in WHAT else ""
-    step = parsed[1] if reason else latest_step
-    what = WHAT[reason]
-    exit_status = EXIT_INFRA if reason == "infra" else (status or EXIT_CRASHED)
-    if history and history[-1] == step:
-        return Verdict(
-            False,
-            f"train_job: error: crash loop: step {step} failed again after a restart ({what}); not restarting; "
-            f"diagnostics in {where} and this job's log",
-            exit_status,
-            step,
+def describe(nodes: int, procs_per_node: int, cfg: config.Config) -> str:
+    """The layout line; raises ConfigError when the world cannot run ``cfg``."""
+    world = nodes * procs_per_node
+    tp = cfg.parallel.tp
+    if world % tp:
+        raise ConfigError(
+            f"{nodes} node(s) x {procs_per_node} proc(s) = world {world} is not divisible by parallel.tp={tp}; "
+            f"use a number of processes per node (PRISM_NPROC_PER_NODE) or nodes whose product is a multiple of {tp}"
         )
-    if len(history) >= max_restarts:
-        return Verdict(
-            False,
-            f"train_job: error: {what} at step {step}, and all {max_restarts} restarts are used "
-            f"(PRISM_MAX_RESTARTS); not restarting; diagnostics in {where} and this job's log",
-            exit_status,
-            step,
+    if procs_per_node % tp and tp % procs_per_node:
+        # Megatron's TP groups are consecutive ranks: a group would straddle nodes unevenly.
+        raise ConfigError(
+            f"parallel.tp={tp} and {procs_per_node} proc(s) per node: tensor-parallel groups would straddle nodes; "
+            f"use a multiple or a divisor of {tp} processes per node"
         )
-    return Verdict(
-        True,
-        f"train_job: {what} at step {step} (exit {status}); restart {len(history) + 1} of {max_restarts} "
-        f"(PRISM_MAX_RESTARTS) from latest, step {latest_step}",
-        0,
-        step,
+    dp = world // tp
+    steps = cfg.steps(dp)  # refuses a batch that does not split over DP
+    return (
+        f"layout: {nodes} node(s) x {procs_per_node} proc(s) = world {world} = TP {tp} x DP {dp}, "
+        f"{steps['total']} steps, grad_accum {steps['grad_accum']}"
     )
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--torchrun-env"]:
-        grace = argv[1] if len(argv) > 1 else ""
-        if not grace.isdigit():
-            # stderr: train_job.sh captures stdout for the KEY=VALUE lines
-            print(f"train_job: error: PRISM_SHUTDOWN_GRACE={grace!r} is not a number of seconds >= 0", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        for key, value in torchrun_env(int(grace)).items():
-            print(f"{key}={value}")
-        return 0
-    from pipeline import checkpoint, config
+def prepare(nodes: int, procs_per_node: int, cfg: config.Config, environ: dict[str, str]) -> dict[str, str]:
+    """The KEY=VALUE pairs the job script exports; raises ConfigError (or ValueError for the grace)."""
     from pipeline.distributed import diagnostics_dir
 
-    if argv[:1] == ["--diagnostics"]:  # where the job script points NCCL's flight recorder
-        print(diagnostics_dir(config.load(argv[1], argv[2:])))
-        return 0
-    history_file, status, record, config_path, overrides = Path(argv[0]), int(argv[1]), argv[2], argv[3], argv[4:]
-    cfg = config.load(config_path, overrides)
-    tag = checkpoint.read_latest(cfg.checkpoint_dir) or ""
-    latest_step = int(tag[5:]) if tag.startswith("step-") and tag[5:].isdigit() else 0
-    history = [int(x) for x in history_file.read_text().split()] if history_file.is_file() else []
-    max_restarts = os.environ.get("PRISM_MAX_RESTARTS", str(MAX_RESTARTS))
-    if not max_restarts.isdigit():
-        print(f"train_job: error: PRISM_MAX_RESTARTS={max_restarts!r} is not a number >= 0; not restarting", flush=True)
+    grace = signals.job_grace(environ)
+    layout = describe(nodes, procs_per_node, cfg)
+    diagnostics = diagnostics_dir(cfg)
+    diagnostics.mkdir(parents=True, exist_ok=True)
+    return {
+        "PRISM_LAYOUT": layout,
+        "PRISM_TRAP_SIGNALS": " ".join(name.removeprefix("SIG") for name in signals.STOP_SIGNALS),
+        "PRISM_ASK_TO_STOP": signals.ASK_TO_STOP.removeprefix("SIG"),
+        "PRISM_NOT_STARTED": str(restart.NOT_STARTED),  # the status `verdict` takes for a step not started
+        **signals.torchrun_env(grace, environ),
+        # NCCL's flight recorder: the last collectives of every rank, dumped when one times out (`torchfrtrace`)
+        "TORCH_FR_DUMP_TEMP_FILE": environ.get("TORCH_FR_DUMP_TEMP_FILE") or f"{diagnostics}/nccl_trace_rank_",
+    }
+
+
+def main(argv: list[str]) -> int:
+    command, args = (argv[0], argv[1:]) if argv else ("", [])
+    try:
+        if command == "prepare" and len(args) >= 3 and args[0].isdigit() and args[1].isdigit():
+            cfg = config.load(args[2], args[3:])
+            for key, value in prepare(int(args[0]), int(args[1]), cfg, dict(os.environ)).items():
+                print(f"{key}={value}")
+            return 0
+        if command == "verdict" and len(args) >= 5 and args[1].lstrip("-").isdigit():
+            history, status, signaled, exit_file = Path(args[0]), int(args[1]), args[2] == "1", Path(args[3])
+            record = exit_file.read_text() if exit_file.is_file() else ""
+            no_requeue = "" if os.environ.get("PRISM_REQUEUE", "1") == "1" else "PRISM_REQUEUE=0"
+            cfg = config.load(args[4], args[5:])
+            v = restart.judge(record, status, signaled, history, cfg, os.environ, no_requeue)
+            faults.pause_verdict()
+            print(f"{v.action} {v.exit_status} {v.line}", flush=True)
+            return 0
+    except (ConfigError, ValueError) as e:
+        if command == "verdict":  # the script reads a verdict on stdout
+            print(f"{restart.STOP} {EXIT_BAD_INPUT} error: {e}; not restarting", flush=True)
+            return 0
+        print(f"train_job: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    where = f"{diagnostics_dir(cfg)} (per-rank stacks, NCCL flight records)"
-    verdict = decide(record, status, history, latest_step, int(max_restarts), where)
-    if verdict.restart:
-        with history_file.open("a") as f:
-            f.write(f"{verdict.step}\n")
-    print(verdict.line, flush=True)
-    return verdict.exit_status
+    print("train_job: usage:", *__doc__.strip().splitlines()[2:4], sep="\n", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -17,25 +17,22 @@
 #                         (default: sbatch's --cpus-per-task, else every CPU the job has on the node)
 #   PRISM_JOB_STATE_DIR   where the trainer leaves its exit record for this script; must be seen by every
 #                         node (default $PRISM_ROOT/runs/.slurm-jobs)
-#   PRISM_SHUTDOWN_GRACE  seconds the workers get to checkpoint after the stop signal (default 150; keep it
-#                         below the --signal lead time)
+#   PRISM_SIGNAL_LEAD     the lead of the sbatch file's `--signal=B:USR1@LEAD` in seconds (default 180)
+#   PRISM_SHUTDOWN_GRACE  seconds the workers get to checkpoint after the stop signal (default: the lead less
+#                         30 s for the requeue, pipeline/signals.py)
 #   PRISM_REQUEUE         1 = requeue after a signal-triggered checkpoint, 0 = just stop (default 1)
 #   PRISM_MAX_RESTARTS    restarts of a crashed step (exit 1 or 5, or killed) in the allocation, per job across
 #                         its requeues; a crash loop (the same step failing again) stops sooner (default 3,
-#                         launchers/recovery.py says why)
+#                         pipeline/restart.py says why)
 #   NCCL_*, TORCH_NCCL_*  any NCCL setting; the defaults below apply only where unset
 # CPU-only cluster (how the tests run the tiny preset):
 #   SBATCH_GPUS_PER_NODE=0 PRISM_CONFIG=configs/tiny_prism.yaml sbatch launchers/prism_757m.sbatch
 #
-# Exit/requeue contract (the numbers are pipeline/exit_codes.py's): `prism train` exits 0 when the token
-# budget is done (no requeue), 3 after a checkpoint forced by SIGTERM/SIGUSR1/SIGUSR2 (requeue), 4 on NaN/inf
-# (no requeue), 2 on bad input (no retry), 5 on an infrastructure fault and 1 on a crash (both restarted here
-# from latest, launchers/recovery.py decides: up to PRISM_MAX_RESTARTS, never a crash loop).
-# torchrun's own status says little (a signal sent to the step, `scancel --signal=USR1 JOB`, kills it with
-# 138 after the workers checkpointed), so rank 0 also writes an exit record (PRISM_EXIT_FILE: "signal STEP",
-# "finished STEP", "nonfinite STEP", "infra STEP", "crashed STEP", "bad_input 0") and that decides: signal -> requeue, finished -> done (also when a
-# late signal killed torchrun after the final checkpoint), no record -> failed unless a signal reached this
-# shell before the trainer could checkpoint (then requeue: it resumes from the last checkpoint).
+# What follows each step is pipeline/restart.py's verdict (through launchers/recovery.py): done, requeue (a stop
+# signal; the run resumes from latest), stop (NaN/inf, bad input, a crash loop, the restart bound) or restart
+# (a crash, an infrastructure fault, a killed step: a new srun from latest in this allocation). torchrun's own
+# status says little (1 for any failed worker), so rank 0 leaves an exit record (PRISM_EXIT_FILE, `REASON STEP`,
+# pipeline/exit_codes.py) and the verdict reads it, with whether a stop signal reached this shell.
 set -uo pipefail
 
 : "${PRISM_CONFIG:?set PRISM_CONFIG to a preset YAML (the launchers/*.sbatch files do)}"
@@ -74,37 +71,27 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-# The signals torchrun forwards to its workers (USR1/USR2 would otherwise kill it, and them, without a
-# checkpoint) and how long it waits for their checkpoint before SIGKILL (PRISM_SHUTDOWN_GRACE, default 150 s).
-torchrun_env=$(python -m launchers.recovery --torchrun-env "${PRISM_SHUTDOWN_GRACE:-150}") || exit 2
-while IFS= read -r kv; do export "$kv"; done <<<"$torchrun_env"
 export PYTHONUNBUFFERED=1
 
 read -r -a overrides <<<"${PRISM_OVERRIDES:-}"
 echo "train_job: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE proc(s)" \
   "($SLURM_JOB_NODELIST), $CPUS_PER_TASK CPUs per node task, master $MASTER_ADDR:$MASTER_PORT," \
   "config $PRISM_CONFIG ${overrides[*]}"
-# Refuse a layout the config cannot use in one line, before srun starts anything on the nodes.
-if ! layout=$(python -m launchers.layout "$NNODES" "$NPROC_PER_NODE" "$PRISM_CONFIG" "${overrides[@]}"); then
-  echo "train_job: refusing the layout; not requeueing" >&2
-  exit 2
-fi
-echo "train_job: $layout"
+# One call before anything starts on the nodes: the layout (a bad one is refused in one line), the signals and
+# torchrun's grace, the diagnostics folder; KEY=VALUE lines to export.
+prepared=$(python -m launchers.recovery prepare "$NNODES" "$NPROC_PER_NODE" "$PRISM_CONFIG" "${overrides[@]}") || exit 2
+while IFS= read -r kv; do export "${kv?}"; done <<<"$prepared"
+echo "train_job: $PRISM_LAYOUT"
+# NCCL's flight recorder (its dump path came with the rest, next to the per-rank Python stacks; read it with
+# `torchfrtrace DIR`, docs/cluster.md).
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}  # the older name too
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 
-# Where rank 0 says how training ended (one file per job, requeue and restart; see the contract above), and
-# the steps this job's earlier failures were at (launchers/recovery.py: the restart bound and crash loops).
+# Where rank 0 says how training ended (one file per job, requeue and restart), and the steps this job's
+# earlier failures were at (the restart bound and crash loops count across requeues).
 state_dir=${PRISM_JOB_STATE_DIR:-$PRISM_ROOT/runs/.slurm-jobs}
 mkdir -p "$state_dir"
 failures="$state_dir/$SLURM_JOB_ID.failures"
-
-# NCCL's flight recorder: the last collectives of every rank, dumped when one times out (read it with
-# `torchfrtrace DIR`, docs/cluster.md), next to the per-rank Python stacks in <checkpoint_dir>/diagnostics.
-if diagnostics=$(python -m launchers.recovery --diagnostics "$PRISM_CONFIG" "${overrides[@]}"); then
-  mkdir -p "$diagnostics"
-  export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$diagnostics/nccl_trace_rank_}
-fi
-export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}  # the older name too
-export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 
 # --- the pre-timeout signal path ------------------------------------------------------------------------
 # `#SBATCH --signal=B:USR1@LEAD` signals only this shell. bash runs traps only between commands, so the
@@ -116,71 +103,64 @@ step_pid=
 forward_stop() {
   signaled=1
   [ -n "$step_pid" ] || return 0
-  echo "train_job: got a stop signal; asking the workers to checkpoint (SIGUSR1 to srun $step_pid)"
-  kill -USR1 "$step_pid" 2>/dev/null
+  echo "train_job: got a stop signal; asking the workers to checkpoint (SIG$PRISM_ASK_TO_STOP to srun $step_pid)"
+  kill -"$PRISM_ASK_TO_STOP" "$step_pid" 2>/dev/null
 }
-trap forward_stop USR1 USR2 TERM
+# shellcheck disable=SC2086
+trap forward_stop $PRISM_TRAP_SIGNALS
+
+# Before each start of a step (every srun below): checks of the nodes go here.
+before_start() { :; }
+
+# Carrying out a requeue verdict: the job goes back to the queue and resumes from latest.
+requeue_job() { scontrol requeue "$SLURM_JOB_ID"; }
 
 attempt=0
 while :; do
   export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$attempt.exit"
   rm -f "$PRISM_EXIT_FILE"
-  srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
-    torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$attempt" \
-    -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
-  step_pid=$!
-  while :; do
-    wait "$step_pid"
-    rc=$?
-    kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
-  done
+  before_start
+  if [ "$signaled" = 1 ]; then  # a stop signal after the last verdict (a restart): do not start
+    rc=$PRISM_NOT_STARTED
+  else
+    srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
+      torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+      --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$attempt" \
+      -m pipeline.cli train "$PRISM_CONFIG" "${overrides[@]}" &
+    step_pid=$!
+    # a stop signal between the check above and `step_pid` being set: hand it to the step
+    [ "$signaled" = 1 ] && forward_stop
+    while :; do
+      wait "$step_pid"
+      rc=$?
+      kill -0 "$step_pid" 2>/dev/null || break  # a trap interrupted `wait`: keep waiting for the step
+    done
+    step_pid=
+  fi
 
-  exit_record=$(cat "$PRISM_EXIT_FILE" 2>/dev/null)
+  verdict=$(python -m launchers.recovery verdict "$failures" "$rc" "$signaled" "$PRISM_EXIT_FILE" \
+    "$PRISM_CONFIG" "${overrides[@]}")
   rm -f "$PRISM_EXIT_FILE"
-  case "$exit_record" in
-    finished*)
-      if [ "$rc" -ne 0 ]; then
-        echo "train_job: a stop signal arrived after the final checkpoint (step exit $rc); nothing to resume"
-      fi
-      echo "train_job: training finished (token budget done)"
-      rm -f "$failures"
+  read -r action status line <<<"$verdict"
+  case "$action" in
+    restart) echo "train_job: $line" ;;
+    done)
+      echo "train_job: $line"
       exit 0
       ;;
-    signal*)
-      if [ "${PRISM_REQUEUE:-1}" = 1 ]; then
-        echo "train_job: checkpointed at step ${exit_record#signal } after a stop signal (step exit $rc);" \
-          "requeueing job $SLURM_JOB_ID to resume from latest"
-        scontrol requeue "$SLURM_JOB_ID"
-        exit 3
-      fi
-      echo "train_job: checkpointed after a stop signal (step exit $rc); PRISM_REQUEUE=0, not requeueing"
-      exit 3
+    requeue)
+      echo "train_job: $line (job $SLURM_JOB_ID)"
+      requeue_job
+      exit "$status"
       ;;
-  esac
-  if [ "$rc" -eq 0 ]; then  # finished, but its exit record could not be written (the trainer said so)
-    echo "train_job: training finished (token budget done)"
-    exit 0
-  fi
-  if [ "${PRISM_REQUEUE:-1}" = 1 ] && [ "$signaled" = 1 ] && [ "$rc" -ne 4 ] && [ "$rc" -ne 2 ]; then
-    echo "train_job: stopped by a signal before the trainer could checkpoint (exit $rc); requeueing job" \
-      "$SLURM_JOB_ID to resume from the last checkpoint"
-    scontrol requeue "$SLURM_JOB_ID"
-    exit 3
-  fi
-  case "$exit_record" in
-    nonfinite* | bad_input*)  # retrying cannot help: a person decides (the trainer said how, above)
-      echo "train_job: training failed (exit $rc, trainer: $exit_record); not retrying" >&2
+    stop)
+      echo "train_job: $line" >&2
+      exit "$status"
+      ;;
+    *)
+      echo "train_job: error: no restart verdict for the step (exit $rc): '$verdict'; not restarting" >&2
       exit "$rc"
       ;;
   esac
-  # A crash, an infrastructure fault or a killed step: restart from latest in this allocation, within bounds.
-  verdict=$(python -m launchers.recovery "$failures" "$rc" "$exit_record" "$PRISM_CONFIG" "${overrides[@]}")
-  status=$?
-  if [ "$status" -ne 0 ]; then
-    echo "$verdict" >&2
-    exit "$status"
-  fi
-  echo "$verdict"
   attempt=$((attempt + 1))
 done

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import Config, ConfigError
-
-# SIGINT (Ctrl-C) too: a checkpoint and exit 3 rather than a KeyboardInterrupt traceback and lost steps.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
+from pipeline.signals import stop_signal_numbers
 
 
 class DeviceError(ConfigError):
@@ -214,11 +212,12 @@ def dp_sum(tensor: Any) -> Any:
 
 
 class StopSignal:
-    """SIGTERM/USR1/USR2/INT set a flag; ranks agree at each step boundary (all-reduce MAX) to stop together."""
+    """A stop signal (pipeline/signals.py) sets a flag; ranks agree at each step boundary (all-reduce MAX) to stop
+    together."""
 
     def __init__(self) -> None:
         self.received: int | None = None
-        for sig in STOP_SIGNALS:
+        for sig in stop_signal_numbers():
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -237,7 +236,7 @@ class StopSignal:
         return bool(stop), value
 
     def restore(self) -> None:
-        for sig in STOP_SIGNALS:
+        for sig in stop_signal_numbers():
             signal.signal(sig, signal.SIG_DFL)
 
 
@@ -331,17 +330,3 @@ def topology_line(ranks: list[dict[str, Any]]) -> str:
         for node, rs in nodes.items()
     ]
     return f"topology: {len(nodes)} node(s): {', '.join(parts)}"
-
-
-def write_exit_record(reason: str, step: int) -> None:
-    """`REASON STEP` into $PRISM_EXIT_FILE (set by train_job.sh): whether the job step checkpointed for a stop
-    signal does not show in torchrun's exit status, so the launcher reads it here."""
-    path = os.environ.get("PRISM_EXIT_FILE")
-    if not path:
-        return
-    from pipeline.atomic import write_atomic
-
-    try:
-        write_atomic(path, f"{reason} {step}\n")
-    except OSError as e:  # the launcher then treats the run as failed; training itself is done
-        print(f"prism train: could not write the exit record {path}: {e}", flush=True)

@@ -15,6 +15,9 @@ changes.
   lost to a collective).
 - ``PRISM_FAULT_ONCE=PATH``: crash or hang only while PATH does not exist, and create it on firing, so the
   run restarted after the fault passes the step (unset: every start fires).
+- ``PRISM_FAULT_PAUSE_VERDICT=PATH``: the job script's restart verdict (launchers/recovery.py), once made,
+  creates PATH.waiting and waits until PATH exists: a stop signal sent meanwhile lands after the verdict and
+  before the next start, the window a restart must not lose it in.
 - ``PRISM_FAULT_BATCH_LOG=DIR``: not a fault but the same kind of hook: each rank appends a line
   ``STEP SHA256`` per micro-batch it trained to ``DIR/batches-rank<RANK>.txt`` (which tokens each step read).
 """
@@ -39,6 +42,16 @@ def log_batches(step: int, batches: list[Any]) -> None:
     lines = "".join(f"{step} {hashlib.sha256(b.tobytes()).hexdigest()}\n" for b in batches)
     with open(Path(folder) / f"batches-rank{os.environ.get('RANK', '0')}.txt", "a") as f:
         f.write(lines)
+
+
+def pause_verdict() -> None:
+    """PRISM_FAULT_PAUSE_VERDICT: wait for the test's file (see above)."""
+    path = os.environ.get("PRISM_FAULT_PAUSE_VERDICT")
+    if not path:
+        return
+    Path(path + ".waiting").touch()
+    while not Path(path).exists():
+        time.sleep(0.05)
 
 
 def _steps(spec: str) -> set[int]:

@@ -25,9 +25,10 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.lr_schedule import DECAY_SHAPES
-from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor, shutdown_grace
+from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor
 from pipeline.runs.plan import ALL_VALID, GridRun, build_grid
 from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int, mapping_section
+from pipeline.signals import DEFAULT_SIGNAL_LEAD_S, shutdown_grace
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def submit(
     folder = Path(folder) if folder else ROOT / "runs" / "sweeps" / name
     folder.mkdir(parents=True, exist_ok=True)
     ex = make_executor(folder, executor, job_name=f"prism-{name}", **executor_params)
-    grace = shutdown_grace(executor_params.get("signal_delay_s", 180))
+    grace = shutdown_grace(executor_params.get("signal_delay_s", DEFAULT_SIGNAL_LEAD_S))
     jobs = []
     with ex.batch():  # one sbatch --array for the whole grid
         for run in grid:

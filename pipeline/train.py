@@ -55,6 +55,7 @@ from pipeline.exit_codes import (
     EXIT_INFRA,
     EXIT_NONFINITE,
     EXIT_STOPPED,
+    MLFLOW_STATUS,
     RECORD_REASONS,
     InfrastructureFault,
 )
@@ -502,9 +503,7 @@ def train(cfg: Config) -> dict[str, Any]:
         raise  # bad input met mid-run (a damaged shard): exit 2, recorded by the CLI, never retried
     except Exception as error:  # a lost peer or timed-out collective is the machine's fault, not ours
         if not (isinstance(error, InfrastructureFault) or compat.collective_failed(error)):
-            record_exit(
-                RECORD_REASONS[EXIT_CRASHED], run.state.step
-            )  # the job script restarts it, and stops a crash loop
+            record_exit(RECORD_REASONS[EXIT_CRASHED], run.state.step)  # restarted, a crash loop stopped
             raise
         say(
             f"prism train: error: infrastructure fault at step {run.state.step}: {str(error).splitlines()[0]}; "
@@ -873,9 +872,7 @@ def finish(run: Run, exit_code: int) -> dict[str, Any]:
     run.loader.close()
     if run.node_metrics is not None:
         run.node_metrics.finish()
-    run.tracker.finish(
-        {EXIT_FINISHED: "FINISHED", EXIT_STOPPED: "KILLED", EXIT_NONFINITE: "FAILED", EXIT_INFRA: "FAILED"}[exit_code]
-    )
+    run.tracker.finish(MLFLOW_STATUS[exit_code])
     return {
         "steps": run.state.step,
         "total_steps": run.total_steps,
@@ -921,10 +918,10 @@ def resume_notes(resume: restore.Resume) -> list[str]:
 
 
 def record_exit(reason: str, step: int) -> None:
-    """The exit record for launchers/train_job.sh, from global rank 0 only."""
+    """The exit record for the launcher (pipeline/restart.py reads it), from global rank 0 only."""
     import torch.distributed as dist
 
-    from pipeline.distributed import write_exit_record
+    from pipeline.exit_codes import write_exit_record
 
     if dist.get_rank() == 0:
         write_exit_record(reason, step)

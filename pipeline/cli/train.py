@@ -31,8 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeline import config
     from pipeline.config import ConfigError
-    from pipeline.distributed import setup_threads, write_exit_record
-    from pipeline.exit_codes import EXIT_BAD_INPUT, RECORD_REASONS
+    from pipeline.distributed import setup_threads
+    from pipeline.exit_codes import EXIT_BAD_INPUT, RECORD_REASONS, write_exit_record
     from pipeline.schedule import ScheduleError
     from pipeline.train import train
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prism train: {cfg.run_name}: loading torch/megatron/deepspeed and building the model ...", flush=True)
         setup_threads()
         summary = train(cfg)
-    except (ConfigError, ScheduleError):  # exit 2: launchers/train_job.sh must not retry it
+    except (ConfigError, ScheduleError):  # exit 2: never retried (pipeline/restart.py)
         if os.environ.get("RANK", "0") == "0":
             write_exit_record(RECORD_REASONS[EXIT_BAD_INPUT], 0)
         raise

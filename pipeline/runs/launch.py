@@ -8,7 +8,7 @@
   adopts what it had started (the search).
 - ``TrainJob`` and ``make_executor``: the submitit job of one run (torchrun on every node, requeued with its
   checkpoint on time-out or preemption) and the executor settings a sweep's job array shares with the search.
-- ``torchrun_env``: how torchrun hands a stop signal on to its workers, for these jobs and `train_job.sh`.
+  A crashed job restarts in its allocation, within the bounds of the one restart policy (pipeline/restart.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import submitit
 
+from pipeline import signals
 from pipeline.config import ConfigError
 from pipeline.distributed import local_run_env
-from pipeline.exit_codes import EXIT_STOPPED
 from pipeline.redaction import redact_text
 from pipeline.runs.outcome import EXIT_FILE
 from pipeline.runs.plan import train_command
@@ -35,36 +35,11 @@ from pipeline.tracking import store
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The signals torchrun hands on to its workers. A pre-timeout or preemption USR1/USR2 would otherwise kill
-# torchrun (their default action), and with it its workers before they checkpoint.
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
-
 # How many time-outs a sweep or search job requeues after (submitit's own default is 3). The 757M run is about
 # 9 h on 8 GPUs, 3 time-outs of the default 4 h timeout_min, and about 72 h on one GPU, 18; 30 leaves room for
 # slower nodes and bigger budgets. A job that stops making progress is ended by the trainer's crash and hang
 # handling (docs/cluster.md), not by this bound. Preemptions do not count (submitit requeues those always).
 MAX_NUM_TIMEOUT = 30
-
-
-def torchrun_env(grace_s: int, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """What torchrun needs to stop its workers gracefully: the signals it forwards to them and how long it
-    waits for their checkpoint before SIGKILL (its own default is 30 s). Both train_job.sh and sweep jobs use it.
-
-    torchrun with a `--signals-to-handle` flag (2.13 here) takes the flag's default from PET_SIGNALS_TO_HANDLE
-    and overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with it; older ones read only the latter: set both. A list
-    the user exported already wins."""
-    environ = os.environ if environ is None else environ
-    signals = environ.get("PET_SIGNALS_TO_HANDLE") or environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE") or TORCHRUN_SIGNALS
-    return {
-        "PET_SIGNALS_TO_HANDLE": signals,
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals,
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s),
-    }
-
-
-def shutdown_grace(signal_delay_s: int) -> int:
-    """Seconds a job's runs get to checkpoint after the pre-timeout signal: its lead less 30 s for the requeue."""
-    return max(30, int(signal_delay_s) - 30)
 
 
 # --- on this host ---------------------------------------------------------------------------------------
@@ -162,22 +137,40 @@ class LocalLauncher:
     def stop(self, rec: dict[str, Any]) -> None:
         if self.alive(rec):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(rec["handle"]["pid"], signal.SIGUSR1)  # prism train: checkpoint, exit 3
+                os.kill(rec["handle"]["pid"], signal.Signals[signals.ASK_TO_STOP])  # checkpoint, exit 3
 
     def describe(self, rec: dict[str, Any]) -> str:
         return f"pid {rec['handle']['pid']}"
 
 
 # --- on Slurm, through submitit -------------------------------------------------------------------------
+# Why a TrainJob does not requeue after a stop signal its run checkpointed for: submitit requeues time-outs and
+# preemptions itself (``checkpoint``); any other stop (a search pruning the trial, scancel) is meant to end it.
+NO_REQUEUE = "submitit requeues time-outs and preemptions itself"
+
+
+class JobStopped(RuntimeError):
+    """A sweep or search job the restart policy stopped; its message is the policy's one line."""
+
+
 class TrainJob(submitit.helpers.Checkpointable):
     """One run as a submitit job: `prism train CONFIG OVERRIDES` under torchrun on every node of the job."""
 
-    def __init__(self, config_path: str, overrides: list[str], nproc_per_node: int = 0, grace_s: int = 150):
+    def __init__(
+        self,
+        config_path: str,
+        overrides: list[str],
+        nproc_per_node: int = 0,
+        grace_s: int = signals.shutdown_grace(signals.DEFAULT_SIGNAL_LEAD_S),
+        exit_file: str = "",
+    ):
+        """``exit_file``: where the run leaves its exit record (default: EXIT_FILE in the run's folder); the
+        job's failure history lies next to it."""
         # A job's overrides go into submitit's pickle and onto torchrun's command line (`ps` shows it).
         if held := next((o for o in overrides if redact_text(o) != o), None):
             raise ConfigError(f"{redact_text(held)}: a password in a job's override; {store.CREDENTIALS_ADVICE}")
         self.config_path, self.overrides = config_path, list(overrides)
-        self.nproc_per_node, self.grace_s = nproc_per_node, grace_s
+        self.nproc_per_node, self.grace_s, self.exit_file = nproc_per_node, grace_s, exit_file
         self._proc: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # the pickle submitit requeues must not hold the live process
@@ -202,25 +195,46 @@ class TrainJob(submitit.helpers.Checkpointable):
         ]
 
     def __call__(self) -> dict[str, Any]:
-        from pipeline import config
+        """Runs the step, then carries out the restart policy's verdict: restarts it in this allocation, returns
+        when done, raises with the verdict's one line otherwise. Time-outs and preemptions never get here:
+        submitit calls ``checkpoint`` and requeues the job."""
+        from pipeline import config, restart
 
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **torchrun_env(self.grace_s)}
+        cfg = config.load(self.config_path, self.overrides)
+        exit_file = Path(self.exit_file) if self.exit_file else cfg.run_dir / EXIT_FILE
+        exit_file.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PRISM_EXIT_FILE": str(exit_file)}
+        env.update(signals.torchrun_env(self.grace_s))
+        environ = dict(os.environ)
+        nodes = submitit.helpers.TorchDistributedEnvironment().world_size
+        if nodes > 1:  # each node's task would restart its own torchrun, apart from the others
+            print(f"sweep job: {nodes} nodes: a failed step is not restarted in this allocation", flush=True)
+            environ["PRISM_MAX_RESTARTS"] = "0"
+        while True:
+            exit_file.unlink(missing_ok=True)
+            rc = self._run_step(env)
+            record = exit_file.read_text() if exit_file.is_file() else ""
+            history = exit_file.with_name(restart.HISTORY_FILE)
+            verdict = restart.judge(record, rc, False, history, cfg, environ, NO_REQUEUE)
+            print(f"sweep job: {verdict.line}", flush=True)
+            if verdict.action == restart.DONE:
+                return {"run_name": cfg.run_name, "checkpoint_dir": str(cfg.checkpoint_dir), "exit_code": 0}
+            if verdict.action != restart.RESTART:
+                raise JobStopped(f"sweep job: {verdict.line}")
+
+    def _run_step(self, env: dict[str, str]) -> int:
         cmd = self.command()
         print("sweep job:", " ".join(cmd), flush=True)
         self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
         while (rc := self._proc.poll()) is None:  # poll, not wait(): the signal handler reaps too
             time.sleep(0.5)
-        if rc != 0:
-            why = "stopped by a signal after a checkpoint" if rc == EXIT_STOPPED else "failed"
-            raise RuntimeError(f"prism train {why} (exit {rc}); its log is this job's stdout/stderr")
-        cfg = config.load(self.config_path, self.overrides)
-        return {"run_name": cfg.run_name, "checkpoint_dir": str(cfg.checkpoint_dir), "exit_code": rc}
+        return rc
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Called by submitit on global rank 0 when the job is about to time out or is preempted."""
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)  # torchrun hands it to the workers; the trainer checkpoints
+            proc.send_signal(signal.Signals[signals.ASK_TO_STOP])  # torchrun hands it on; the trainer checkpoints
             deadline = time.monotonic() + self.grace_s + 15
             while not _reaped(proc):
                 if time.monotonic() > deadline:
@@ -278,7 +292,7 @@ def make_executor(
     cpus_per_task: int = 1,
     timeout_min: int = 240,
     partition: str | None = None,
-    signal_delay_s: int = 180,
+    signal_delay_s: int = signals.DEFAULT_SIGNAL_LEAD_S,
     array_parallelism: int = 256,
     job_name: str = "prism-sweep",
     additional_parameters: dict[str, Any] | None = None,
@@ -340,9 +354,11 @@ class SlurmLauncher:
         return {"job_id": ids[0]} if out.returncode == 0 and ids else None
 
     def start(self, rec: dict[str, Any]) -> dict[str, Any]:
-        grace = shutdown_grace(self.slurm.get("signal_delay_s", 180))
+        grace = signals.shutdown_grace(self.slurm.get("signal_delay_s", signals.DEFAULT_SIGNAL_LEAD_S))
         ex = make_executor(self.folder, "slurm", job_name=self.job_name(rec), **self.slurm)
-        job = ex.submit(TrainJob(rec["config"], rec["overrides"], self.nproc_per_node, grace))
+        exit_file = str(Path(rec["folder"]) / EXIT_FILE)  # where runs.outcome reads how it ended
+        Path(exit_file).unlink(missing_ok=True)
+        job = ex.submit(TrainJob(rec["config"], rec["overrides"], self.nproc_per_node, grace, exit_file))
         return {"job_id": str(job.job_id)}
 
     def alive(self, rec: dict[str, Any]) -> bool:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.exit_codes import parse_exit_record
+from pipeline.exit_codes import read_exit_record, reason_of_status
 
-# what `prism train` writes into $PRISM_EXIT_FILE: "finished|signal|nonfinite|infra|crashed STEP" or "bad_input 0"
-EXIT_FILE = "exit-record.txt"
+EXIT_FILE = "exit-record.txt"  # a run's exit record in its launch folder (pipeline/exit_codes.py)
 
 
 def read_journal(rec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -52,8 +51,7 @@ def val_losses(rec: dict[str, Any], uri: str) -> tuple[dict[int, float], str]:
 
 def exit_record(rec: dict[str, Any]) -> tuple[str, int] | None:
     """(reason, step) from the run's exit record, None without a readable one."""
-    path = Path(rec["folder"]) / EXIT_FILE
-    return parse_exit_record(path.read_text()) if path.is_file() else None
+    return read_exit_record(Path(rec["folder"]) / EXIT_FILE)
 
 
 def outcome(rec: dict[str, Any]) -> tuple[str, int]:
@@ -65,8 +63,7 @@ def outcome(rec: dict[str, Any]) -> tuple[str, int]:
     steps = [int(r["step"]) for r in read_journal(rec) if r.get("op") == "metrics"]
     finish = [r for r in read_journal(rec) if r.get("op") == "finish"]
     status = finish[-1]["status"] if finish else "CRASHED"
-    reason = {"FINISHED": "finished", "KILLED": "signal", "FAILED": "failed"}.get(status, "crashed")
-    return reason, max(steps, default=0)
+    return reason_of_status(status), max(steps, default=0)
 
 
 def tokens_trained(rec: dict[str, Any], batch_tokens: int) -> int:
@@ -77,7 +74,9 @@ def tokens_trained(rec: dict[str, Any], batch_tokens: int) -> int:
         for r in read_journal(rec)
         if r.get("op") == "metrics" and "train/tokens_seen" in r.get("metrics", {})
     ]
-    steps = [int(name.split("-")[1]) for name in checkpoints_of(rec)]
+    from pipeline.checkpoint import tag_step
+
+    steps = [tag_step(name) or 0 for name in checkpoints_of(rec)]
     if (record := exit_record(rec)) is not None:
         steps.append(record[1])
     return int(max(max(seen, default=0), max(steps, default=0) * batch_tokens))

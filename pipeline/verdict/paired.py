@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import statistics
+from pipeline.checkpoint import tag_step
 from pipeline.eval import items as eval_items
 from pipeline.eval.comparison import to_csv
 
@@ -54,9 +55,9 @@ class ArtifactReader:
             self.listed[(run_id, folder)] = [f.path for f in self.client.list_artifacts(run_id, folder) if not f.is_dir]
         out = {}
         for path in self.listed[(run_id, folder)]:
-            stem = Path(path).name.split(".")[0]
-            if stem.startswith("step-") and stem[5:].isdigit():
-                out[int(stem[5:])] = path
+            step = tag_step(Path(path).name.split(".")[0])  # step-<NNNNNNN>, a checkpoint tag's spelling
+            if step is not None:
+                out[step] = path
         return out
 
     def read(self, run_id: str, path: str) -> bytes:

@@ -148,7 +148,7 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_into_one_run(
     assert slurm_cluster.sacct(job) == "COMPLETED", text[-3000:]
     stopped_at = int(re.search(r"checkpoint at step (\d+) written", text).group(1))
     assert 2 <= stopped_at < steps, text[-3000:]
-    assert "requeueing job" in text and "restart 1" in text, text[-3000:]
+    assert "requeueing to resume from latest (job" in text and "restart 1" in text, text[-3000:]
     assert f"resumed from step-{stopped_at:07d}" in text, text[-3000:]
     assert "training finished" in text
 

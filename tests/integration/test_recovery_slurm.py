@@ -104,29 +104,35 @@ def test_a_hung_rank_leaves_every_stack_ends_within_the_timeout_and_resumes(
     assert _losses(mlflow_server, "recovery-hang", cfg.run_name) == reference
 
 
-def test_a_sweep_job_keeps_requeueing_after_more_than_three_time_outs(slurm_cluster, tiny_data, tmp_path):
+def _sweep_job(tiny_data, tmp_path: Path, name: str, steps: int, seed: int, *extra: str, **executor_params):
+    """The one job of a one-point sweep of a ``steps``-step tiny run, submitted to the local cluster."""
     from pipeline import sweep
 
     overrides = tiny_data.overrides + [
         f"run.output_dir={tmp_path / 'runs'}",
         "train.batch_tokens=1024",
-        "train.train_tokens=2048",
+        f"train.train_tokens={steps * 1024}",
         "train.val_tokens=1024",
         "tracking.enabled=false",
+        *extra,
     ]
     s = sweep.submit(
         arms=["prism"],
         scales=["tiny"],
-        seeds=[51],
+        seeds=[seed],
         overrides=overrides,
         executor="slurm",
         folder=tmp_path / "sweep",
-        name="timeouts",
+        name=name,
         cpus_per_task=1,
-        timeout_min=1,  # submitit counts a signal as a time-out, not a preemption, in a job this short
-        signal_delay_s=15,
+        **executor_params,
     )
-    [job] = s.jobs
+    return s, s.jobs[0]
+
+
+def test_a_sweep_job_keeps_requeueing_after_more_than_three_time_outs(slurm_cluster, tiny_data, tmp_path):
+    # submitit counts a signal as a time-out, not a preemption, in a job this short
+    s, job = _sweep_job(tiny_data, tmp_path, "timeouts", 2, 51, timeout_min=1, signal_delay_s=15)
     for started in range(1, 5):  # what Slurm's `--signal=USR2@DELAY` does near the time limit, four times
         deadline = time.monotonic() + 120
         while (job.stdout() or "").count("sweep job:") < started:
@@ -138,3 +144,50 @@ def test_a_sweep_job_keeps_requeueing_after_more_than_three_time_outs(slurm_clus
     log = job.stderr() or ""
     assert log.count("this job is timed-out") >= 4 and "timed-out too many times" not in log, log[-3000:]
     assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
+
+
+def _crashing_sweep_job(tiny_data, tmp_path: Path, monkeypatch, name: str, **faults: str):
+    """A sweep job of a 3-step tiny run with a checkpoint every step and PRISM_FAULT_* (and PRISM_MAX_RESTARTS)
+    in its environment (sbatch passes the submitting environment on); returns it once it ended."""
+    for key, value in faults.items():
+        monkeypatch.setenv(key, value)
+    # a synchronous save: each step's checkpoint is latest before the next step starts (and can crash)
+    extra = ("train.val_every=100", "checkpoint.every_steps=1", "checkpoint.async_save=false")
+    _, job = _sweep_job(tiny_data, tmp_path, name, 3, 53, *extra, timeout_min=10)
+    deadline = time.monotonic() + 420
+    while not job.done():
+        assert time.monotonic() < deadline, (job.stdout() or "")[-3000:]
+        time.sleep(1)
+    return job
+
+
+def test_a_sweep_job_that_crashes_once_restarts_in_its_allocation_and_finishes(
+    slurm_cluster, tiny_data, tmp_path, monkeypatch
+):
+    job = _crashing_sweep_job(
+        tiny_data, tmp_path, monkeypatch, "crash-once", PRISM_FAULT_CRASH="2", PRISM_FAULT_ONCE=str(tmp_path / "fired")
+    )
+    out = job.stdout() or ""
+    assert job.result()["exit_code"] == 0, (out + (job.stderr() or ""))[-4000:]
+    # the fault fires at the start of step 2: one step is done, the record says 1
+    restarted = "at step 1 (exit 1); restart 1 of 3 (PRISM_MAX_RESTARTS) from latest, step 1"
+    assert "sweep job: crash (a Python exception" in out and restarted in out, out[-4000:]
+    assert "resumed from step-0000001" in out and "sweep job: training finished" in out, out[-4000:]
+    assert out.count("torch.distributed.run") == 2, out[-4000:]  # two starts
+    assert slurm_cluster.sacct(job.job_id) == "COMPLETED"
+
+
+def test_a_sweep_job_that_crashes_at_every_start_stops_after_the_bound_with_one_line(
+    slurm_cluster, tiny_data, tmp_path, monkeypatch
+):
+    job = _crashing_sweep_job(
+        tiny_data, tmp_path, monkeypatch, "crash-always", PRISM_FAULT_CRASH="1", PRISM_MAX_RESTARTS="1"
+    )
+    out = job.stdout() or ""
+    errors = [line for line in out.splitlines() if line.startswith("sweep job: error:")]
+    # the fault fires at the start of step 1, before any step is done: the record says 0
+    assert len(errors) == 1 and "crash loop: step 0" in errors[0] and "not restarting" in errors[0], out[-4000:]
+    assert out.count("restart 1 of 1 (PRISM_MAX_RESTARTS)") == 1 and "training finished" not in out, out[-4000:]
+    with pytest.raises(Exception, match="not restarting"):
+        job.result()
+    assert slurm_cluster.sacct(job.job_id) == "FAILED"

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.runs.launch import torchrun_env
+from pipeline.signals import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
