@@ -23,6 +23,8 @@
 #   PRISM_MAX_RESTARTS    restarts of a crashed step (exit 1 or 5, or killed) in the allocation, per job across
 #                         its requeues; a crash loop (the same step failing again) stops sooner (default 3,
 #                         launchers/recovery.py says why)
+#   PRISM_PREFLIGHT_MIN_ALLREDUCE_GBPS  the per-node pre-flight's floor on the all-reduce bus bandwidth over a
+#                         node's GPUs, GB/s (default 100; PCIe-only nodes need less; launchers/nodes.py)
 #   NCCL_*, TORCH_NCCL_*  any NCCL setting; the defaults below apply only where unset
 # CPU-only cluster (how the tests run the tiny preset):
 #   SBATCH_GPUS_PER_NODE=0 PRISM_CONFIG=configs/tiny_prism.yaml sbatch launchers/prism_757m.sbatch
@@ -121,8 +123,17 @@ forward_stop() {
 }
 trap forward_stop USR1 USR2 TERM
 
+# The nodes this job was kept off (a node that failed its pre-flight), for the run's MLflow tags.
+PRISM_EXCLUDED_NODES=$(python -m launchers.nodes excluded)
+export PRISM_EXCLUDED_NODES
+
 attempt=0
 while :; do
+  # --- pre-flight on every node (issue 41): a failed node is excluded and the job requeued, within bounds
+  python -m launchers.nodes preflight "$state_dir" "$NNODES" "$NPROC_PER_NODE" "$PRISM_CONFIG" "${overrides[@]}"
+  preflight_status=$?
+  [ "$preflight_status" -eq 0 ] || exit "$preflight_status"
+  # --- end pre-flight
   export PRISM_EXIT_FILE="$state_dir/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$attempt.exit"
   rm -f "$PRISM_EXIT_FILE"
   srun --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \

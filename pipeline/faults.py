@@ -15,6 +15,8 @@ changes.
   lost to a collective).
 - ``PRISM_FAULT_ONCE=PATH``: crash or hang only while PATH does not exist, and create it on firing, so the
   run restarted after the fault passes the step (unset: every start fires).
+- ``PRISM_FAULT_PREFLIGHT=NODE[,NODE]``: the pre-flight (pipeline.preflight) of those Slurm nodes fails (a
+  sick node, for the exclusion of bad nodes).
 - ``PRISM_FAULT_BATCH_LOG=DIR``: not a fault but the same kind of hook: each rank appends a line
   ``STEP SHA256`` per micro-batch it trained to ``DIR/batches-rank<RANK>.txt`` (which tokens each step read).
 """
@@ -75,6 +77,11 @@ def loss_factor(step: int) -> float | None:
 def slow_rank_seconds(rank: int) -> float:
     """PRISM_FAULT_SLOW_RANK's delay for global rank ``rank``; 0 for the others or when unset."""
     return float(_pairs("PRISM_FAULT_SLOW_RANK").get(str(rank), 0.0))
+
+
+def preflight_fails(node: str) -> bool:
+    """PRISM_FAULT_PREFLIGHT: whether ``node``'s pre-flight is to fail."""
+    return node in os.environ.get("PRISM_FAULT_PREFLIGHT", "").split(",")
 
 
 class InjectedFault(RuntimeError):
