@@ -38,6 +38,8 @@
 # "finished STEP", "nonfinite STEP", "infra STEP", "crashed STEP", "bad_input 0") and that decides: signal -> requeue, finished -> done (also when a
 # late signal killed torchrun after the final checkpoint), no record -> failed unless a signal reached this
 # shell before the trainer could checkpoint (then requeue: it resumes from the last checkpoint).
+# Before each start of the step, launchers/nodes.py runs the pre-flight on every node: a node that fails it is
+# excluded and the job requeued (3), within PRISM_MAX_RESTARTS exclusions; past them the job ends with 6.
 set -uo pipefail
 
 : "${PRISM_CONFIG:?set PRISM_CONFIG to a preset YAML (the launchers/*.sbatch files do)}"

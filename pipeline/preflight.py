@@ -42,6 +42,7 @@ ALLREDUCE_BYTES = 64 * 2**20  # large enough to reach the link's bandwidth, not 
 # Default floor on the all-reduce bus bandwidth (GB/s): an 8-GPU NVLink node measures several hundred at
 # 64 MiB, a node whose NVLink fell back to PCIe a few tens. PCIe-only nodes need a lower floor (the flag).
 MIN_ALLREDUCE_GBPS = 100.0
+NVIDIA_DEVICE = "/dev/nvidiactl"  # the NVIDIA driver's control device, present wherever a GPU is usable
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,14 @@ def check_allreduce(torch, min_gbps: float) -> Check:
 
 
 def gpu_checks(min_gbps: float) -> list[Check]:
-    import torch
+    # No NVIDIA driver device: a CPU node, told without the seconds an import of torch takes.
+    if Path(NVIDIA_DEVICE).exists():
+        import torch
 
-    if not torch.cuda.is_available():
-        why = "no CUDA device on this node (CPU run)"
-        return [Check("gemm", None, why), Check("allreduce", None, why)]
-    return [check_gemm(torch), check_allreduce(torch, min_gbps)]
+        if torch.cuda.is_available():
+            return [check_gemm(torch), check_allreduce(torch, min_gbps)]
+    why = "no CUDA device on this node (CPU run)"
+    return [Check("gemm", None, why), Check("allreduce", None, why)]
 
 
 def run_checks(cfg: Config, nodes: int, nproc_per_node: int, min_gbps: float) -> list[Check]:
