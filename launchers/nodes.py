@@ -103,16 +103,15 @@ def check_flags(nodes: str, procs: str, config_path: str, overrides: list[str]) 
 def run_preflight(state_dir: Path, flags: list[str], nodes: int, bound: int) -> int:
     job_id = os.environ["SLURM_JOB_ID"]
     srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
-    step = subprocess.run(
-        [*srun, f"--time={SRUN_TIME_LIMIT_MIN}", sys.executable, "-m", "pipeline.preflight", *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    print(step.stdout, end="", flush=True)
+    command = [*srun, f"--time={SRUN_TIME_LIMIT_MIN}", sys.executable, "-m", "pipeline.preflight", *flags]
+    output = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as step:
+        for text in step.stdout or ():  # into the job log as they come: a hung check shows where it hangs
+            print(text, end="", flush=True)
+            output.append(text)
     if step.returncode == 0:
         return 0
-    bad = failed_nodes(step.stdout)
+    bad = failed_nodes("".join(output))
     if not bad:
         print(
             f"train_job: error: the pre-flight step failed (exit {step.returncode}) without naming a node; see the "
@@ -153,7 +152,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["excluded"]:  # for the run's MLflow tag: a failure here must not stop the job
         try:
             print(",".join(excluded(os.environ["SLURM_JOB_ID"])))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        except (RuntimeError, OSError, KeyError, subprocess.SubprocessError) as e:
             print(f"train_job: warning: cannot read the job's ExcNodeList: {e}", file=sys.stderr)
         return 0
     if len(argv) < 5 or argv[0] != "preflight":

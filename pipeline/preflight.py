@@ -166,6 +166,8 @@ def check_allreduce(torch, min_gbps: float) -> Check:
     nccl.all_reduce(tensors)  # warm-up: NCCL builds its communicator here
     for d in range(n):
         torch.cuda.synchronize(d)
+    if not all(bool((t == n).all()) for t in tensors):
+        return Check("allreduce", False, f"{n} GPUs: a sum of ones is not {n} everywhere")
     repeats = 5
     start = time.perf_counter()
     for _ in range(repeats):
@@ -174,19 +176,23 @@ def check_allreduce(torch, min_gbps: float) -> Check:
         torch.cuda.synchronize(d)
     seconds = (time.perf_counter() - start) / repeats
     busbw = ALLREDUCE_BYTES * 2 * (n - 1) / n / seconds / 1e9
-    if not all(torch.isfinite(t).all() for t in tensors):
-        return Check("allreduce", False, f"{n} GPUs: the all-reduce returned NaN/inf")
     detail = f"{busbw:.1f} GB/s bus bandwidth over {n} GPUs ({ALLREDUCE_BYTES // 2**20} MiB), floor {min_gbps:g} GB/s"
     return Check("allreduce", busbw >= min_gbps, detail)
 
 
-def gpu_checks(min_gbps: float) -> list[Check]:
+def gpu_checks(min_gbps: float, nproc_per_node: int = 1) -> list[Check]:
     # No NVIDIA driver device: a CPU node, told without the seconds an import of torch takes.
     if Path(NVIDIA_DEVICE).exists():
         import torch
 
         if torch.cuda.is_available():
-            return [check_gemm(torch), check_allreduce(torch, min_gbps)]
+            if (count := torch.cuda.device_count()) < nproc_per_node:  # a GPU fell off the bus
+                lost = f"{count} GPU(s) visible for {nproc_per_node} training processes on this node"
+                return [Check("gemm", False, lost), Check("allreduce", None, lost)]
+            try:
+                return [check_gemm(torch), check_allreduce(torch, min_gbps)]
+            except RuntimeError as e:  # a CUDA or NCCL error: the GPU, not the input
+                return [Check("gemm", False, f"CUDA error: {str(e).splitlines()[0]}")]
     why = "no CUDA device on this node (CPU run)"
     return [Check("gemm", None, why), Check("allreduce", None, why)]
 
@@ -194,7 +200,12 @@ def gpu_checks(min_gbps: float) -> list[Check]:
 def run_checks(cfg: Config, nodes: int, nproc_per_node: int, min_gbps: float) -> list[Check]:
     disk, memory = requirements(cfg, nodes, nproc_per_node)
     folder = existing(Path(cfg.checkpoint_dir))
-    checks = [check_writable(folder), check_disk(folder, disk), check_memory(memory), *gpu_checks(min_gbps)]
+    checks = [
+        check_writable(folder),
+        check_disk(folder, disk),
+        check_memory(memory),
+        *gpu_checks(min_gbps, nproc_per_node),
+    ]
     if faults.preflight_fails(node_name()):
         checks.append(Check("injected", False, "PRISM_FAULT_PREFLIGHT names this node"))
     return checks
