@@ -95,7 +95,9 @@ def check_flags(nodes: str, procs: str, config_path: str, overrides: list[str]) 
     try:
         args = preflight.parse(flags)
     except ConfigError as e:
-        raise ConfigError(f"{e} (PRISM_PREFLIGHT_MIN_ALLREDUCE_GBPS sets the floor)") from None
+        if floor is None:
+            raise
+        raise ConfigError(f"{e} (PRISM_PREFLIGHT_MIN_ALLREDUCE_GBPS={floor!r} sets the floor)") from None
     config.load(args.config, args.overrides)
     return flags
 
