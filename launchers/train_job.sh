@@ -24,6 +24,8 @@
 #   PRISM_MAX_RESTARTS    restarts of a crashed step (exit 1 or 5, or killed) in the allocation, per job across
 #                         its requeues; a crash loop (the same step failing again) stops sooner (default 3,
 #                         pipeline/restart.py says why)
+#   PRISM_PREFLIGHT_MIN_ALLREDUCE_GBPS  the per-node pre-flight's floor on the all-reduce bus bandwidth over a
+#                         node's GPUs, GB/s (default 100; PCIe-only nodes need less; launchers/nodes.py)
 #   NCCL_*, TORCH_NCCL_*  any NCCL setting; the defaults below apply only where unset
 # CPU-only cluster (how the tests run the tiny preset):
 #   SBATCH_GPUS_PER_NODE=0 PRISM_CONFIG=configs/tiny_prism.yaml sbatch launchers/prism_757m.sbatch
@@ -33,6 +35,8 @@
 # (a crash, an infrastructure fault, a killed step: a new srun from latest in this allocation). torchrun's own
 # status says little (1 for any failed worker), so rank 0 leaves an exit record (PRISM_EXIT_FILE, `REASON STEP`,
 # pipeline/exit_codes.py) and the verdict reads it, with whether a stop signal reached this shell.
+# Before each start of the step, launchers/nodes.py runs the pre-flight on every node: a node that fails it is
+# excluded and the job requeued (3), within PRISM_MAX_RESTARTS exclusions; past them the job ends with 6.
 set -uo pipefail
 
 : "${PRISM_CONFIG:?set PRISM_CONFIG to a preset YAML (the launchers/*.sbatch files do)}"
@@ -109,11 +113,20 @@ forward_stop() {
 # shellcheck disable=SC2086
 trap forward_stop $PRISM_TRAP_SIGNALS
 
-# Before each start of a step (every srun below): checks of the nodes go here.
-before_start() { :; }
+# Before each start of a step (every srun below): the pre-flight on every node. A node that fails it is
+# excluded and the job requeued (launchers/nodes.py carries that out, within PRISM_MAX_RESTARTS exclusions).
+before_start() {
+  python -m launchers.nodes preflight "$state_dir" "$NNODES" "$NPROC_PER_NODE" "$PRISM_CONFIG" "${overrides[@]}"
+  local preflight_status=$?
+  [ "$preflight_status" -eq 0 ] || exit "$preflight_status"
+}
 
 # Carrying out a requeue verdict: the job goes back to the queue and resumes from latest.
 requeue_job() { scontrol requeue "$SLURM_JOB_ID"; }
+
+# The nodes this job was kept off (a node that failed its pre-flight), for the run's MLflow tags.
+PRISM_EXCLUDED_NODES=$(python -m launchers.nodes excluded)
+export PRISM_EXCLUDED_NODES
 
 attempt=0
 while :; do

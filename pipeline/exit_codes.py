@@ -16,6 +16,8 @@ EXIT_NONFINITE = 4  # prism train: NaN/inf loss, diagnostics written, the last g
 # prism train: the infrastructure failed, not the input (checkpoint writes failing in a row, a lost rank, a
 # collective timeout; exit record `infra STEP`): restarted within its bounds from `latest`
 EXIT_INFRA = 5
+# python -m pipeline.preflight: this node failed a pre-flight check (launchers.nodes excludes it and requeues)
+EXIT_PREFLIGHT = 6
 
 TRAIN_EXIT_CODES = (
     f"{EXIT_FINISHED} done, {EXIT_CRASHED} crashed (the job script restarts it), {EXIT_BAD_INPUT} bad input "

@@ -18,6 +18,8 @@ changes.
 - ``PRISM_FAULT_PAUSE_VERDICT=PATH``: the job script's restart verdict (launchers/recovery.py), once made,
   creates PATH.waiting and waits until PATH exists: a stop signal sent meanwhile lands after the verdict and
   before the next start, the window a restart must not lose it in.
+- ``PRISM_FAULT_PREFLIGHT=NODE[,NODE]``: the pre-flight (pipeline.preflight) of those Slurm nodes fails (a
+  sick node, for the exclusion of bad nodes).
 - ``PRISM_FAULT_BATCH_LOG=DIR``: not a fault but the same kind of hook: each rank appends a line
   ``STEP SHA256`` per micro-batch it trained to ``DIR/batches-rank<RANK>.txt`` (which tokens each step read).
 """
@@ -88,6 +90,11 @@ def loss_factor(step: int) -> float | None:
 def slow_rank_seconds(rank: int) -> float:
     """PRISM_FAULT_SLOW_RANK's delay for global rank ``rank``; 0 for the others or when unset."""
     return float(_pairs("PRISM_FAULT_SLOW_RANK").get(str(rank), 0.0))
+
+
+def preflight_fails(node: str) -> bool:
+    """PRISM_FAULT_PREFLIGHT: whether ``node``'s pre-flight is to fail."""
+    return node in os.environ.get("PRISM_FAULT_PREFLIGHT", "").split(",")
 
 
 class InjectedFault(RuntimeError):

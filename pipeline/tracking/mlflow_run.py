@@ -98,6 +98,8 @@ def run_tags(cfg: Config) -> dict[str, str]:
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         if os.environ.get("SLURM_ARRAY_JOB_ID"):
             tags["slurm_array"] = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+        if os.environ.get("PRISM_EXCLUDED_NODES"):  # nodes kept off this job after a failed pre-flight
+            tags["slurm_excluded_nodes"] = os.environ["PRISM_EXCLUDED_NODES"]
     return tags
 
 
