@@ -35,7 +35,7 @@ def build(preset: str, out: Path):
 
     from pipeline import config, distributed
     from pipeline.model import build_model, lm_loss
-    from pipeline.train import build_engine
+    from pipeline.train.engine import build_engine
 
     cfg = config.load(
         ROOT / preset,

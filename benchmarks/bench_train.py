@@ -52,8 +52,9 @@ def bare_step_times(cfg, steps: int) -> list[float]:
     import torch
 
     from pipeline import data, distributed
+    from pipeline.lr_schedule import lr_at
     from pipeline.model import build_model, lm_loss
-    from pipeline.train import lr_at, make_optimizer
+    from pipeline.train.engine import make_optimizer
 
     distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg)

@@ -20,7 +20,7 @@
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 ROOT=$PWD
-[ -f pipeline/train.py ] && [ -f benchmarks/bench_arms.py ] || { echo "run this from the Prism repo root" >&2; exit 2; }
+[ -f pipeline/train/__init__.py ] && [ -f benchmarks/bench_arms.py ] || { echo "run this from the Prism repo root" >&2; exit 2; }
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   PY=${PYTHON:-.venv/bin/python}

@@ -30,7 +30,7 @@ def test_synchronous_and_background_saves_leave_byte_identical_tags(tmp_path):
     from pipeline.checkpoint.restore import TrainState
     from pipeline.checkpoint.writer import Saver
     from pipeline.model import build_model, lm_loss
-    from pipeline.train import build_engine
+    from pipeline.train.engine import build_engine
 
     cfg = config.load(PRESET, [*SMALL, f"run.output_dir={tmp_path}", "tracking.enabled=false"])
     distributed.init_distributed("cpu")

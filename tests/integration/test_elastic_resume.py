@@ -174,7 +174,7 @@ def test_bf16_elastic_load_joins_the_saved_partitions(dp2_bf16, tiny_data, tmp_p
 
     from pipeline import distributed
     from pipeline.model import build_model
-    from pipeline.train import build_engine
+    from pipeline.train.engine import build_engine
 
     ov, ckpt = rolled_back_copy(dp2_bf16, tiny_data, tmp_path, BF16)
     cfg = config.load(PRESET, ov)

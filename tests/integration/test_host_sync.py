@@ -65,7 +65,7 @@ def count_host_syncs():
 def build_tiny_engine(overrides: list[str], model_state: dict | None = None, skipper=None):
     """The trainer's engine on the tiny model (bf16 unless overridden), optionally from given weights."""
     from pipeline.model import build_model
-    from pipeline.train import build_engine
+    from pipeline.train.engine import build_engine
 
     cfg = config.load(
         TINY,
@@ -94,7 +94,7 @@ WRAPPERS = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer"}
 def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
     from pipeline import train
     from pipeline.skipping import StepSkipper
-    from pipeline.train import deepspeed_config, train_step
+    from pipeline.train.engine import deepspeed_config, train_step
 
     skipper = StepSkipper(4, 6.0, "cpu")  # as the trainer steps: every step asks whether to skip
     cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"], skipper=skipper)
@@ -121,7 +121,7 @@ def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
 @pytest.mark.parametrize("grad_clip", [1e-3, 1e6])  # clipping engaged (norm >> 1e-3) and not (norm << 1e6)
 def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, caplog, zero_stage, grad_clip):
     from pipeline import compat
-    from pipeline.train import train_step
+    from pipeline.train.engine import train_step
 
     overrides = [f"parallel.zero_stage={zero_stage}", f"train.grad_clip={grad_clip}"]
     deepspeed = compat.import_deepspeed()
@@ -153,7 +153,8 @@ def test_sync_free_step_updates_like_deepspeeds_own(monkeypatch, caplog, zero_st
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_nonfinite_step_reads_back_inf_and_keeps_weights_finite(zero_stage):
-    from pipeline.train import UnreadSteps, train_step
+    from pipeline.train.diagnostics import UnreadSteps
+    from pipeline.train.engine import train_step
 
     cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"])
     loader = FakeLoader(4, 32, cfg.model.vocab_size)
@@ -201,7 +202,8 @@ def test_a_nan_or_spiking_step_is_skipped_with_weights_and_optimizer_state_uncha
     monkeypatch, precision, zero_stage
 ):
     from pipeline.skipping import StepSkipper
-    from pipeline.train import UnreadSteps, train_step
+    from pipeline.train.diagnostics import UnreadSteps
+    from pipeline.train.engine import train_step
 
     skipper = StepSkipper(4, 6.0, "cpu")  # the spike test is on from 2 steps
     overrides = [f"parallel.zero_stage={zero_stage}", f"train.precision={precision}"]

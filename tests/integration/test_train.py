@@ -219,10 +219,11 @@ def watched_run(tiny_data, tmp_path_factory):
     """One in-process 7-step run (log every 2, validate every 3, checkpoint every 4) with spies on what the
     loop does at each step and on every tokenizer hash."""
     from pipeline import data, train
+    from pipeline.checkpoint.writer import Saver
 
     seen = {"hashed": [], "sync": [], "validate": [], "log": [], "checkpoint": []}
     real = {"hash": data.sha256_file, "read_back": train.UnreadSteps.read_back}
-    real |= {"evaluate": train.evaluate, "log_step": train.log_step, "save": train.Saver.save}
+    real |= {"evaluate": train.evaluate, "log_step": train.log_step, "save": Saver.save}
 
     def read_back(self, recent):
         seen["sync"].append(self.steps[-1][0])
@@ -243,7 +244,7 @@ def watched_run(tiny_data, tmp_path_factory):
         m.setattr(train.UnreadSteps, "read_back", read_back)
         m.setattr(train, "evaluate", lambda *a: seen["validate"].append(seen["sync"][-1]) or real["evaluate"](*a))
         m.setattr(train, "log_step", log_step)
-        m.setattr(train.Saver, "save", save)
+        m.setattr(Saver, "save", save)
         summary = train.train(cfg)
     assert summary["exit_code"] == 0 and summary["steps"] == 7
     return cfg, seen
@@ -325,8 +326,9 @@ def reference_loop(cfg: config.Config, dp_size: int, steps: int) -> tuple[list[f
     import torch
 
     from pipeline import data, distributed
+    from pipeline.lr_schedule import lr_at
     from pipeline.model import build_model, lm_loss
-    from pipeline.train import lr_at, make_optimizer
+    from pipeline.train.engine import make_optimizer
 
     distributed.init_model_parallel(1, cfg.run.seed)
     model = build_model(cfg)

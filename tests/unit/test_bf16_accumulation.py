@@ -33,7 +33,7 @@ def test_bf16_gradient_accumulation_matches_the_fp32_summed_reference(zero_stage
 
     from pipeline import distributed
     from pipeline.model import build_model, lm_loss
-    from pipeline.train import build_engine
+    from pipeline.train.engine import build_engine
 
     cfg = config.load("configs/tiny_uniform.yaml", [*TINY, f"parallel.zero_stage={zero_stage}", "train.device=cpu"])
     distributed.init_model_parallel(1, cfg.run.seed)

@@ -51,7 +51,7 @@ def test_plan_schedule_show_model_and_mfu_agree(preset):
     config said, and block weights only: three different figures for one model."""
     from pipeline import distributed
     from pipeline.model import build_model
-    from pipeline.train import mfu
+    from pipeline.train.diagnostics import mfu
 
     path, *overrides = preset
     cfg = config.load(path, overrides)

@@ -12,7 +12,7 @@ PRESET = "configs/tiny_prism.yaml"
 
 
 def test_lr_schedule_values():
-    from pipeline.train import lr_at
+    from pipeline.lr_schedule import lr_at
 
     lr, low = 1e-3, 1e-4
     assert lr_at(0, 100, 10, lr, low) == pytest.approx(1e-4)  # first step is not 0
@@ -31,7 +31,7 @@ def test_weight_decay_groups_follow_nanogpt_embedding_decays_norms_do_not():
 
     from pipeline import distributed
     from pipeline.model import build_model
-    from pipeline.train import make_optimizer
+    from pipeline.train.engine import make_optimizer
 
     cfg = config.load(
         PRESET, ["model.num_layers=4", "model.h_base=4", "schedule.heads=2x2,4x2", "train.precision=fp32"]

@@ -101,11 +101,11 @@ def test_the_step_line_and_perf_step_time_read_one_clock(monkeypatch):
     from collections import deque
     from types import SimpleNamespace
 
-    from pipeline import train
+    from pipeline.train import diagnostics
 
     clock = FakeClock()
-    monkeypatch.setattr(train.time, "perf_counter", clock)
-    unread, progress = train.UnreadSteps(), Progress(8, 0, TOKENS, [], [], 0, clock=clock)
+    monkeypatch.setattr(diagnostics.time, "perf_counter", clock)
+    unread, progress = diagnostics.UnreadSteps(), Progress(8, 0, TOKENS, [], [], 0, clock=clock)
     results = []
     for step in range(1, 9):
         clock.now += STEP_SECONDS * (1 + step % 2)  # uneven steps: 1.0 s and 0.5 s
