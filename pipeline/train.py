@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import budget, checkpoint, data, faults, lr_schedule, model_size
+from pipeline import budget, checkpoint, data, faults, lr_schedule, model_size, run_lock, slurm_job
 from pipeline.atomic import write_atomic
 from pipeline.cadence import StepActions, step_actions
 from pipeline.checkpoint import restore
@@ -480,18 +480,27 @@ class Run:
     val_loss: float | None = None  # of the last validation
     evals: Any = None  # pipeline.eval.in_run.DownstreamEval when train.eval_every is set
     profiler: Any = None  # pipeline.profiling.Profiler: traces on request or for train.profile_steps
+    job_end: Any = None  # pipeline.slurm_job.JobEnd on global rank 0 of a Slurm job with an end time
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
-    from pipeline import compat
-    from pipeline.config import ConfigError
     from pipeline.model.gpt import check_spec
 
     # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
+    slurm_job.max_batch_requeue_override()  # a bad PRISM_MAX_BATCH_REQUEUE: one line on every rank
     # the resume checks share the checkpoint hashing out over the ranks
     init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
+    with run_lock.held(cfg.checkpoint_dir):  # one writer per run: a refusal reaches every rank before any write
+        return train_held(cfg)
+
+
+def train_held(cfg: Config) -> dict[str, Any]:
+    """``train`` with the run folder's lock held (pipeline.run_lock)."""
+    from pipeline import compat
+    from pipeline.config import ConfigError
+
     resume = branch_start(cfg) or restore.resume_point(cfg)
     if resume.finished:
         return already_finished(cfg, resume)
@@ -585,6 +594,10 @@ def setup(cfg: Config, resume: restore.Resume) -> Run:
     dist.broadcast_object_list(run_id, src=0)
     run.node_metrics = other_node_metrics(cfg, run_id[0], ranks, dist.get_rank())
     say_start(run, resume, epochs, dp_size)
+    if dist.get_rank() == 0:  # its stop reaches every rank through the stop agreement
+        run.job_end = slurm_job.JobEnd.of_this_job(cfg.checkpoint.end_margin_s)
+        if warning := slurm_job.requeue_warning():
+            say(f"prism train: {warning}")
     return run
 
 
@@ -720,6 +733,9 @@ def loop(run: Run) -> int:
         run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
+        if run.job_end and not run.stopper.end_reached and (why := run.job_end.due(run.saver.longest_save_s)):
+            say(f"prism train: {why}: checkpointing at step {state.step} and stopping")
+            run.stopper.end_reached = True
         # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only
         stop, news = stop_check(run.profiler.poll(step_actions(cfg, state.step, run.total_steps).sync))
         run.profiler.agreed(news, state.step, run.total_steps)

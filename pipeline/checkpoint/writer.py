@@ -65,6 +65,7 @@ class Saver:
         self.in_flight: InFlight | None = None
         self.failed_in_a_row = 0
         self.clock = time.monotonic()  # the last save's start (or this start: a resume keeps the cadence)
+        self.longest_save_s: float | None = None  # staging to commit, the longest in this start (job end time)
 
     # --- what the loop calls ---------------------------------------------------------------------------
     def minutes_due(self) -> bool:
@@ -106,12 +107,13 @@ class Saver:
 
     # --- the two ways of writing -------------------------------------------------------------------------
     def _save_synchronously(self, state: TrainState, final: bool) -> None:
+        t0 = time.perf_counter()
         try:
             tag = commit.save(self.engine, self.cfg, state)
         except commit.CheckpointWriteError as e:
             self._failed(checkpoint.tag_for(state.step), e.cause, final)
             return
-        self.failed_in_a_row = 0
+        self._measured(time.perf_counter() - t0)
         say(f"prism train: checkpoint {self.cfg.checkpoint_dir / tag}")
 
     def _stage(self, state: TrainState, final: bool) -> None:
@@ -182,7 +184,7 @@ class Saver:
         if cause is not None:
             self._failed(job.tag, cause, job.final)
             return
-        self.failed_in_a_row = 0
+        self._measured(time.perf_counter() - job.staged_at)
         say(
             f"prism train: checkpoint {ckpt_dir / job.tag} complete ({time.perf_counter() - job.staged_at:.1f} s "
             f"after staging)"
@@ -197,6 +199,11 @@ class Saver:
         checkpoint.write_record(tag_dir, job.meta, dict(sorted(files.items())))
         write_atomic(self.cfg.checkpoint_dir / checkpoint.LATEST, job.tag)
         commit.prune(self.cfg.checkpoint_dir, self.cfg, keep=job.tag)  # marks a milestone, then prunes
+
+    def _measured(self, seconds: float) -> None:
+        """A save committed in ``seconds`` (for a background one: staging, writing and waiting for the commit)."""
+        self.failed_in_a_row = 0
+        self.longest_save_s = max(self.longest_save_s or 0.0, seconds)
 
     def _failed(self, tag: str, cause: str, final: bool) -> None:
         """Every rank, the same arguments: one warning line, or the fault that ends the run."""
