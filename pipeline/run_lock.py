@@ -165,28 +165,34 @@ def _new_folders(folder: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def held(folder: Path) -> Iterator[None]:
-    """Hold ``folder``'s lock on global rank 0 for the body; every rank raises RunLocked on a refusal. A
-    collective: every rank enters it right after the process group is made, before writing anything. The
-    folders the lock created are removed again when the body left them empty (a refusal after the lock)."""
+    """Hold ``folder``'s lock on global rank 0 for the body; every rank raises ConfigError (exit 2) on a refusal
+    or an unwritable folder. A collective: every rank enters it right after the process group is made, before
+    writing anything. Folders the lock created are removed again when left empty (a refusal)."""
     import torch.distributed as dist
+
+    from pipeline.checkpoint.restore import check_writable
 
     verdict: list[str | None] = [None, None]  # [refusal, takeover line]
     fd, created = None, _new_folders(folder)
     if dist.get_rank() == 0:
         try:
+            check_writable(folder)  # an unwritable folder is one line, as bad input
             fd, verdict[1] = acquire(folder)
-        except RunLocked as e:
+        except ConfigError as e:
             verdict[0] = str(e)
+        except OSError as e:  # the folder changed under us (removed, made read-only): still every rank's answer
+            verdict[0] = f"{folder}: could not take the run folder's lock ({e}); start again"
     dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise RunLocked(verdict[0])
-    if verdict[1] and dist.get_rank() == 0:
-        print(f"prism train: {verdict[1]}", flush=True)
     try:
+        if verdict[0] is not None:
+            raise ConfigError(verdict[0])
+        if verdict[1] and dist.get_rank() == 0:
+            print(f"prism train: {verdict[1]}", flush=True)
         yield
     finally:
         if fd is not None:
             release(fd, folder)
+        if dist.get_rank() == 0:
             for path in created:
                 with contextlib.suppress(OSError):
                     path.rmdir()  # only an empty one

@@ -1,7 +1,7 @@
 """What Slurm tells a job about itself and about others: its id, another job's state, the real end of this
-job (SLURM_JOB_END_TIME, or squeue's EndTime before Slurm 23.02; a `--time-min` grant makes it earlier
-than `--time`) and how many requeues it has
-left before Slurm holds it (SLURM_RESTART_COUNT against the scheduler's max_batch_requeue).
+job (SLURM_JOB_END_TIME, or squeue's EndTime where Slurm does not set it, as 22.05 does not; a `--time-min`
+grant makes it earlier than `--time`) and how many requeues it has left before Slurm holds it
+(SLURM_RESTART_COUNT against the scheduler's max_batch_requeue).
 
 Nothing here needs Slurm: outside a job every answer is "nothing known", and a Slurm command that cannot be
 run or answers nothing useful gives None, never an exception.
@@ -59,7 +59,7 @@ class JobEnd:
 
     @classmethod
     def of_this_job(cls, margin_s: float, environ: dict[str, str] | None = None) -> JobEnd | None:
-        """SLURM_JOB_END_TIME (Slurm >= 23.02 sets it), else the job's EndTime from squeue; None outside Slurm
+        """SLURM_JOB_END_TIME (newer Slurm sets it; 22.05 does not), else the job's EndTime from squeue; None outside Slurm
         or where the job has no end (a partition without a time limit). Asked once, by global rank 0."""
         env = os.environ if environ is None else environ
         if end := _unix_time(env.get("SLURM_JOB_END_TIME", "")):

@@ -41,9 +41,13 @@ def test_a_short_time_limit_checkpoints_before_its_end_and_a_second_job_of_the_r
         time.sleep(0.2)
     second = slurm_cluster.sbatch("launchers/prism_757m.sbatch", _sbatch_env(ov, second_log), ROOT)
     try:
-        time.sleep(1)  # a scheduling pass
+        deadline = time.monotonic() + 5  # the scheduler's first look at it
+        while slurm_cluster.reason(second) != "Dependency":
+            assert slurm_cluster.state(second) == "PENDING" and time.monotonic() < deadline, slurm_cluster.reason(
+                second
+            )
+            time.sleep(0.2)
         assert slurm_cluster.state(first) == "RUNNING", first_log.read_text()[-3000:]
-        assert slurm_cluster.state(second) == "PENDING" and slurm_cluster.reason(second) == "Dependency"
 
         ends = _wait_for(
             first_log,

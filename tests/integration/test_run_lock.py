@@ -86,3 +86,12 @@ def test_the_lock_of_a_killed_trainer_is_taken_over_and_the_run_completes(tiny_c
     [line] = [x for x in out.stdout.splitlines() if "took over" in x]
     assert f"from pid {killed.pid} on host" in line and f"pid {killed.pid} no longer runs" in line, line
     assert checkpoint.read_latest(cfg.checkpoint_dir) == checkpoint.tag_for(2) and not lock.exists()
+
+
+def test_a_bad_max_batch_requeue_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    env = {**os.environ, "PRISM_MAX_BATCH_REQUEUE": "five"}
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "configs/tiny_prism.yaml", f"run.output_dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "PRISM_MAX_BATCH_REQUEUE='five'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name != "logs"] == []
