@@ -1,7 +1,7 @@
 """What Slurm tells a job about itself and about others: its id, another job's state, the real end of this
 job (SLURM_JOB_END_TIME, or squeue's EndTime where Slurm does not set it, as 22.05 does not; a `--time-min`
 grant makes it earlier than `--time`) and how many requeues it has left before Slurm holds it
-(SLURM_RESTART_COUNT against the scheduler's max_batch_requeue).
+(SLURM_RESTART_COUNT against the scheduler's MaxBatchRequeue).
 
 Nothing here needs Slurm: outside a job every answer is "nothing known", and a Slurm command that cannot be
 run or answers nothing useful gives None, never an exception.
@@ -19,7 +19,7 @@ from pipeline.config import ConfigError
 ACTIVE_STATES = frozenset(
     {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"}
 )
-# Slurm's own default of SchedulerParameters=max_batch_requeue (slurm.conf(5)).
+# Slurm's default for the requeues a batch job may take before it is held (MaxBatchRequeue).
 SLURM_MAX_BATCH_REQUEUE = 5
 MAX_BATCH_REQUEUE_ENV = "PRISM_MAX_BATCH_REQUEUE"
 
@@ -49,8 +49,8 @@ def job_state(job: str) -> str | None:
 # --- the job's real end --------------------------------------------------------------------------------
 class JobEnd:
     """When this job ends (SLURM_JOB_END_TIME, a Unix time) and whether the run must stop now to write its
-    final checkpoint before then: once the time left is under the longest save measured in this start, the
-    longest step and ``margin_s``. Global rank 0 asks after every step; the stop agreement tells the others."""
+    final checkpoint before then: once the time left is under what a final save may take (the Saver's
+    measurement), the longest step and ``margin_s``. Global rank 0 asks after every step; the stop agreement tells the others."""
 
     def __init__(self, end: float, margin_s: float, source: str = "SLURM_JOB_END_TIME") -> None:
         self.end, self.margin_s, self.source = end, margin_s, source
@@ -80,7 +80,7 @@ class JobEnd:
             return None
         return (
             f"the job ends in {max(left, 0):.0f} s ({self.source}), under the {needed:.0f} s a final "
-            f"checkpoint needs (longest save {save_s or 0:.1f} s + longest step {self.longest_step:.1f} s + "
+            f"checkpoint needs (save {save_s or 0:.1f} s + longest step {self.longest_step:.1f} s + "
             f"checkpoint.end_margin_s {self.margin_s:g} s)"
         )
 
@@ -112,27 +112,35 @@ def max_batch_requeue_override(environ: dict[str, str] | None = None) -> int | N
     if not value.isdigit():
         raise ConfigError(
             f"{MAX_BATCH_REQUEUE_ENV}={value!r} is not a whole number >= 0; set it to the cluster's "
-            "max_batch_requeue (SchedulerParameters in slurm.conf) or unset it"
+            "MaxBatchRequeue (scontrol show config) or unset it"
         )
     return int(value)
 
 
 def max_batch_requeue(environ: dict[str, str] | None = None) -> tuple[int, str]:
     """The requeues Slurm allows a batch job, and where that number comes from: PRISM_MAX_BATCH_REQUEUE when
-    set, else the scheduler's max_batch_requeue from `scontrol show config`, else Slurm's default 5."""
+    set, else MaxBatchRequeue from `scontrol show config`, else Slurm's default 5."""
     if (override := max_batch_requeue_override(environ)) is not None:
         return override, MAX_BATCH_REQUEUE_ENV
     try:
         out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return SLURM_MAX_BATCH_REQUEUE, "Slurm's default"
-    for line in out.stdout.splitlines():
-        if line.split("=", 1)[0].strip() == "SchedulerParameters":
-            for option in line.split("=", 1)[1].strip().split(","):
-                key, _, value = option.partition("=")
-                if key == "max_batch_requeue" and value.isdigit():
-                    return int(value), "scontrol show config"
+    if (limit := config_max_batch_requeue(out.stdout)) is not None:
+        return limit, "scontrol show config"
     return SLURM_MAX_BATCH_REQUEUE, "Slurm's default"
+
+
+def config_max_batch_requeue(config: str) -> int | None:
+    """MaxBatchRequeue in `scontrol show config`'s text: its own line, or an option of SchedulerParameters."""
+    for line in config.splitlines():
+        name, _, value = (part.strip() for part in line.partition("="))
+        options = value.split(",") if name == "SchedulerParameters" else [f"{name}={value}"]
+        for option in options:
+            key, _, number = option.partition("=")
+            if key.lower() in ("maxbatchrequeue", "max_batch_requeue") and number.isdigit():
+                return int(number)
+    return None
 
 
 def requeue_warning(environ: dict[str, str] | None = None) -> str | None:
@@ -145,7 +153,7 @@ def requeue_warning(environ: dict[str, str] | None = None) -> str | None:
     if int(count) < limit - 1:
         return None
     return (
-        f"warning: this job has been requeued {count} times, max_batch_requeue is {limit} ({source}): after "
+        f"warning: this job has been requeued {count} times, MaxBatchRequeue is {limit} ({source}): after "
         f"{max(limit - int(count), 0)} more Slurm holds it; resubmit the run as a new job (it resumes from "
         "latest) or `scontrol release` it"
     )

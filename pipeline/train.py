@@ -733,7 +733,7 @@ def loop(run: Run) -> int:
         run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
-        if run.job_end and not run.stopper.end_reached and (why := run.job_end.due(run.saver.longest_save_s)):
+        if run.job_end and not run.stopper.end_reached and (why := run.job_end.due(run.saver.final_save_s())):
             say(f"prism train: {why}: checkpointing at step {state.step} and stopping")
             run.stopper.end_reached = True
         # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only

@@ -100,6 +100,13 @@ class Saver:
         if self.in_flight is not None and self._all_done():
             self.settle()
 
+    def final_save_s(self) -> float | None:
+        """How long a final save started now may take, by this start's measurements: the save in flight
+        finishing first, then its own; None before the first save committed."""
+        if self.longest_save_s is None:
+            return None
+        return self.longest_save_s * (2 if self.in_flight is not None else 1)
+
     def close(self) -> None:
         """Before exit: wait for the save in flight and commit it (or apply the failure policy)."""
         if self.in_flight is not None:

@@ -26,7 +26,7 @@ def test_the_final_checkpoint_comes_when_save_step_and_margin_no_longer_fit():
     assert end.due(40.0, now=now) is None  # 100 s left > 40 + 20 + 30
     assert end.longest_step >= 20
     why = end.due(55.0, now=now)  # 100 s left < 55 + 20 + 30
-    assert why is not None and "SLURM_JOB_END_TIME" in why and "longest save 55.0 s" in why, why
+    assert why is not None and "SLURM_JOB_END_TIME" in why and "save 55.0 s" in why, why
     assert slurm_job.JobEnd(now + 10, margin_s=30).due(None, now=now) is not None  # margin alone
 
 
@@ -43,3 +43,10 @@ def test_a_bad_max_batch_requeue_is_one_line(value):
     with pytest.raises(ConfigError, match="PRISM_MAX_BATCH_REQUEUE") as bad:
         slurm_job.max_batch_requeue_override({slurm_job.MAX_BATCH_REQUEUE_ENV: value})
     assert "\n" not in str(bad.value)
+
+
+def test_max_batch_requeue_is_read_from_either_spelling_of_scontrol_show_config():
+    assert slurm_job.config_max_batch_requeue("JobRequeue              = 1\nMaxBatchRequeue         = 7\n") == 7
+    line = "SchedulerParameters     = batch_sched_delay=0,max_batch_requeue=3,sched_min_interval=0"
+    assert slurm_job.config_max_batch_requeue(f"KillWait = 30 sec\n{line}\n") == 3
+    assert slurm_job.config_max_batch_requeue("SchedulerParameters     = batch_sched_delay=0\n") is None
