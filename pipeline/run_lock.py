@@ -134,7 +134,8 @@ def acquire(folder: Path) -> tuple[int, str | None]:
         if holder is not None:
             note = f"took over {path} from {holder.describe()}: {why}"
         if not locked:  # the dead holder's lock lingers on this file: a new file replaces it
-            os.unlink(path)
+            if _same_file(fd, path):  # still it, after the time asking Slurm took
+                os.unlink(path)
             os.close(fd)
             continue
         record = json.dumps(asdict(Holder.me())).encode()

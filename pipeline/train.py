@@ -485,11 +485,11 @@ class Run:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
+    # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
+    slurm_job.max_batch_requeue_override()  # a bad PRISM_MAX_BATCH_REQUEUE: one line on every rank
     from pipeline.model.gpt import check_spec
 
-    # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
-    slurm_job.max_batch_requeue_override()  # a bad PRISM_MAX_BATCH_REQUEUE: one line on every rank
     # the resume checks share the checkpoint hashing out over the ranks
     init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
     with run_lock.held(cfg.checkpoint_dir):  # one writer per run: a refusal reaches every rank before any write

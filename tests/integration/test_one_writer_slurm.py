@@ -1,7 +1,8 @@
 """One job per run and the real time limit, on the local two-node Slurm cluster. A job submitted with a short
 `--time-min` and no `--signal` reads its real end, checkpoints before it and requeues itself; a second `sbatch`
-of the same run, submitted while the first runs, waits (reason Dependency: the batch scripts' singleton) and
-then resumes from `latest` and finishes the run. About 70 s."""
+of the same run, submitted while the first runs, waits (reason Dependency: the batch scripts' singleton, which
+a requeued job still holds) until the first is gone, then resumes from `latest` and finishes the run. About
+70 s on a quiet machine: two job starts and 12 steps."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import time
 from pipeline import config
 from tests.integration.test_launchers import ROOT, _runs_named, _sbatch_env, _train_overrides
 
-STEPS, SEED = 40, 81
-MARGIN_S = 40  # checkpoint.end_margin_s: the one-minute job stops ~20 s after it started
+STEPS, SEED = 12, 81
+# checkpoint.end_margin_s: the two-minute job stops once under 100 s are left, after its first step when its
+# start-up (~20 s here, a minute on a loaded machine) took longer than 20 s
+MARGIN_S = 100
 
 
 def _wait_for(log, pattern: str, cluster, job: str, timeout_s: float) -> re.Match:
@@ -34,7 +37,7 @@ def test_a_short_time_limit_checkpoints_before_its_end_and_a_second_job_of_the_r
     lines = (ROOT / "launchers/prism_757m.sbatch").read_text().splitlines(keepends=True)
     script.write_text("".join(line for line in lines if not line.startswith("#SBATCH --signal")))
     first_log, second_log = tmp_path / "first.out", tmp_path / "second.out"
-    first = slurm_cluster.sbatch(str(script), _sbatch_env(ov, first_log), ROOT, ("--time=1", "--time-min=1"))
+    first = slurm_cluster.sbatch(str(script), _sbatch_env(ov, first_log), ROOT, ("--time=2", "--time-min=1"))
     deadline = time.monotonic() + 60
     while slurm_cluster.state(first) != "RUNNING":
         assert time.monotonic() < deadline, slurm_cluster.state(first)
@@ -60,13 +63,15 @@ def test_a_short_time_limit_checkpoints_before_its_end_and_a_second_job_of_the_r
         stopped_at = int(ends.group(3))
         _wait_for(first_log, rf"requeueing job {first} to resume from latest", slurm_cluster, first, 60)
         assert stopped_at < STEPS and f"checkpoint at step {stopped_at} written" in first_log.read_text()
+        assert slurm_cluster.reason(second) == "Dependency"  # the requeued first job still holds the name
+        subprocess.run(["scancel", first], check=True, timeout=30)  # it would go on with two-minute lives
 
         slurm_cluster.wait_gone(second, 300)
         text = second_log.read_text()
         assert f"resumed from step-{stopped_at:07d}" in text and "training finished" in text, text[-3000:]
         assert slurm_cluster.sacct(second) == "COMPLETED", text[-3000:]
     finally:
-        subprocess.run(["scancel", first, second], timeout=30)  # the requeued first job has nothing left to do
+        subprocess.run(["scancel", first, second], timeout=30)
         slurm_cluster.wait_gone(first, 120)
     cfg = config.load(ROOT / "configs/tiny_prism.yaml", ov)
     client, runs = _runs_named(mlflow_server, "one-writer", cfg.run_name)
