@@ -212,7 +212,7 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
         assert entry["run_name"] == f"{entry['arm']}-tiny-s21"
         client, runs = _runs_named(mlflow_server, experiment, entry["run_name"])
         assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # one run, also across the requeue
-        assert runs[0].data.tags["slurm_array"] == job.job_id  # MLflow run <- Slurm array task <- grid point
+        assert runs[0].data.tags["slurm_job_id"] == job.job_id  # MLflow run <- Slurm job <- grid point
         assert runs[0].data.tags["arm"] == entry["arm"]
         history = client.get_metric_history(runs[0].info.run_id, "train/loss")
         assert sorted({m.step for m in history}) == list(range(1, steps + 1))
