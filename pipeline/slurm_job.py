@@ -59,9 +59,14 @@ class JobEnd:
 
     @classmethod
     def of_this_job(cls, margin_s: float, environ: dict[str, str] | None = None) -> JobEnd | None:
-        """SLURM_JOB_END_TIME (newer Slurm sets it; 22.05 does not), else the job's EndTime from squeue; None outside Slurm
-        or where the job has no end (a partition without a time limit). Asked once, by global rank 0."""
+        """SLURM_JOB_END_TIME (newer Slurm sets it; 22.05 does not), else the job's EndTime from squeue. None
+        outside Slurm, where the job has no end (a partition without a time limit), or where nothing would
+        requeue a run that stops on its own: only train_job.sh does, reading the exit record it asks for with
+        PRISM_EXIT_FILE (a sweep or search job is requeued by submitit on its pre-timeout signal alone).
+        Asked once, by global rank 0."""
         env = os.environ if environ is None else environ
+        if not env.get("PRISM_EXIT_FILE"):
+            return None
         if end := _unix_time(env.get("SLURM_JOB_END_TIME", "")):
             return cls(end, margin_s)
         if (job := job_id(env)) and (end := squeue_end_time(job)):

@@ -12,10 +12,12 @@ from pipeline import slurm_job
 from pipeline.config import ConfigError
 
 
-def test_no_end_time_outside_a_job_or_without_a_limit():
-    assert slurm_job.JobEnd.of_this_job(60, {}) is None
-    assert slurm_job.JobEnd.of_this_job(60, {"SLURM_JOB_END_TIME": "0"}) is None  # an unlimited partition
-    assert slurm_job.JobEnd.of_this_job(60, {"SLURM_JOB_END_TIME": "1781000000"}).end == 1781000000
+def test_no_end_time_outside_a_job_without_a_limit_or_without_a_launcher_that_requeues():
+    requeues = {"PRISM_EXIT_FILE": "/tmp/exit"}  # train_job.sh reads the exit record and requeues a stop
+    assert slurm_job.JobEnd.of_this_job(60, requeues) is None
+    assert slurm_job.JobEnd.of_this_job(60, {**requeues, "SLURM_JOB_END_TIME": "0"}) is None  # no time limit
+    assert slurm_job.JobEnd.of_this_job(60, {**requeues, "SLURM_JOB_END_TIME": "1781000000"}).end == 1781000000
+    assert slurm_job.JobEnd.of_this_job(60, {"SLURM_JOB_END_TIME": "1781000000"}) is None  # a submitit job
 
 
 def test_the_final_checkpoint_comes_when_save_step_and_margin_no_longer_fit():
