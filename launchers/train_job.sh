@@ -127,6 +127,8 @@ requeue_job() { scontrol requeue "$SLURM_JOB_ID"; }
 # The nodes this job was kept off (a node that failed its pre-flight), for the run's MLflow tags.
 PRISM_EXCLUDED_NODES=$(python -m launchers.nodes excluded)
 export PRISM_EXCLUDED_NODES
+# The trainer may stop on its own before the job's end (pipeline/slurm_job.py) only where a stop is requeued.
+export PRISM_REQUEUES_A_STOP=${PRISM_REQUEUE:-1}
 
 attempt=0
 while :; do

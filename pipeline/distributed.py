@@ -217,6 +217,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.end_reached = False  # the job's end time is near (pipeline.slurm_job.JobEnd): stop as for a signal
         for sig in stop_signal_numbers():
             signal.signal(sig, self._handle)
 
@@ -230,7 +231,7 @@ class StopSignal:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.received else 0.0, news], device=device)
+        flag = torch.tensor([1.0 if self.received or self.end_reached else 0.0, news], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         stop, value = flag.tolist()
         return bool(stop), value

@@ -6,7 +6,8 @@
                      gpus_per_node=8, timeout_min=120)
     s.wait()                      # results of every job; s.manifest_path maps grid point -> job -> run
 
-The grid goes out as one job array (`executor.batch()`). Each job is a submitit `Checkpointable`: on the
+The grid goes out as one job per point, named after its run folder with Slurm's singleton dependency, so a
+sweep rerun while its jobs run waits for them instead of training their folders twice. Each job is a submitit `Checkpointable`: on the
 pre-timeout/preemption signal it asks its `prism train` processes to checkpoint, then returns a
 DelayedSubmission, so submitit requeues it and the requeued job resumes from `latest`. Inside a job, one
 task per node starts `torchrun` with the layout from `submitit.helpers.TorchDistributedEnvironment`.
@@ -25,7 +26,7 @@ from typing import Any
 from pipeline import schedule
 from pipeline.atomic import write_atomic
 from pipeline.lr_schedule import DECAY_SHAPES
-from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor
+from pipeline.runs.launch import ROOT, TrainJob, first_result, make_executor, run_job_name
 from pipeline.runs.plan import ALL_VALID, GridRun, build_grid
 from pipeline.runs.spec_file import SpecFile, check_slurm_section, is_int, mapping_section
 from pipeline.signals import DEFAULT_SIGNAL_LEAD_S, shutdown_grace
@@ -75,19 +76,19 @@ def submit(
     cooldown: dict[str, Any] | None = None,
     **executor_params: Any,
 ) -> Sweep:
-    """Submit one job per grid point as one submitit job array; write the sweep manifest; return at once.
+    """Submit one job per grid point, named after its run; write the sweep manifest; return at once.
 
     executor_params go to make_executor (nodes, gpus_per_node, cpus_per_task, timeout_min, partition,
-    signal_delay_s, array_parallelism, additional_parameters, max_num_timeout)."""
+    signal_delay_s, additional_parameters, max_num_timeout)."""
     grid = build_grid(arms, scales, seeds, schedules, overrides, configs or (), cooldown)
     folder = Path(folder) if folder else ROOT / "runs" / "sweeps" / name
     folder.mkdir(parents=True, exist_ok=True)
     ex = make_executor(folder, executor, job_name=f"prism-{name}", **executor_params)
     grace = shutdown_grace(executor_params.get("signal_delay_s", DEFAULT_SIGNAL_LEAD_S))
     jobs = []
-    with ex.batch():  # one sbatch --array for the whole grid
-        for run in grid:
-            jobs.append(ex.submit(TrainJob(run.config_path, run.overrides, nproc_per_node, grace)))
+    for run in grid:  # a job each, named after its run: Slurm's singleton dependency is per job name
+        ex.update_parameters(name=run_job_name(run.cfg.checkpoint_dir, run.name))
+        jobs.append(ex.submit(TrainJob(run.config_path, run.overrides, nproc_per_node, grace)))
     manifest = {
         "name": name,
         "executor": executor,

@@ -69,6 +69,7 @@ class Saver:
         self.failed_in_a_row = 0
         self.clock = clock  # the checkpoint clock (checkpoint.every_minutes); a test may pass its own
         self.last_save = clock()  # the last save's start (or this start: a resume keeps the cadence)
+        self.longest_save_s: float | None = None  # staging to commit, the longest in this start (job end time)
 
     # --- what the loop calls ---------------------------------------------------------------------------
     def since_save(self) -> float:
@@ -110,6 +111,13 @@ class Saver:
         """At a sync step: commit the save in flight if every rank's write is done (a collective)."""
         if self.in_flight is not None and self._all_done():
             self.settle()
+
+    def final_save_s(self) -> float | None:
+        """How long a final save started now may take, by this start's measurements: the save in flight
+        finishing first, then its own; None before the first save committed."""
+        if self.longest_save_s is None:
+            return None
+        return self.longest_save_s * (2 if self.in_flight is not None else 1)
 
     def close(self) -> None:
         """Before exit: wait for the save in flight and commit it (or apply the failure policy)."""
@@ -198,7 +206,7 @@ class Saver:
         if cause is not None:
             self._failed(job.tag, cause, job.final)
             return
-        self.failed_in_a_row = 0
+        self._measured(time.perf_counter() - job.staged_at)
         if job.thread is None:
             say(f"prism train: checkpoint {ckpt_dir / job.tag}")
             return
@@ -206,6 +214,11 @@ class Saver:
             f"prism train: checkpoint {ckpt_dir / job.tag} complete ({time.perf_counter() - job.staged_at:.1f} s "
             f"after staging)"
         )
+
+    def _measured(self, seconds: float) -> None:
+        """A save committed in ``seconds`` (for a background one: staging, writing and waiting for the commit)."""
+        self.failed_in_a_row = 0
+        self.longest_save_s = max(self.longest_save_s or 0.0, seconds)
 
     def _failed(self, tag: str, cause: str, final: bool) -> None:
         """Every rank, the same arguments: one warning line, or the fault that ends the run."""

@@ -8,13 +8,13 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep",
-        help="submit arms x scales x seeds x schedules as one submitit job array",
+        help="submit arms x scales x seeds x schedules, one submitit job per run",
         description="SPEC.yaml keys: name, arms, scales (or configs: preset paths), seeds, schedules (list | "
         "all-valid | null), overrides (mapping or list of dotted overrides), cooldown (from_steps, decay_tokens | "
         "decay_fraction, decay_shape: each point's cooldown branches at those steps, as prism cooldown), "
         "executor (slurm | local), folder, "
         "nproc_per_node, slurm (nodes, gpus_per_node, cpus_per_task, timeout_min, partition, "
-        "signal_delay_s, array_parallelism, additional_parameters).",
+        "signal_delay_s, additional_parameters).",
     )
     p.add_argument("spec", help="sweep YAML")
     p.add_argument("--dry-run", action="store_true", help="print the grid and the job count; submit nothing")

@@ -105,6 +105,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep_every_steps": NON_NEGATIVE,  # 0: no milestones
     "checkpoint.every_minutes": POSITIVE,
     "checkpoint.max_failed_saves": AT_LEAST_1,
+    "checkpoint.end_margin_s": NON_NEGATIVE,
     "cooldown.from_step": AT_LEAST_1,  # a branch starts after at least one step of its main run
     "cooldown.decay_tokens": AT_LEAST_1,
     "data.val_sets{}.tokens": AT_LEAST_1,  # {}: in every entry of the mapping; null: train.val_tokens

@@ -219,6 +219,10 @@ class CheckpointConfig:
     # Failed saves in a row (disk full, I/O error) before the run stops with exit 5 (infrastructure fault);
     # a failed final or stop-signal save stops it at once.
     max_failed_saves: int = 3
+    # Under a batch-script Slurm job with an end time (SLURM_JOB_END_TIME, which --time-min can bring forward):
+    # seconds kept free before it besides the save and the longest step measured in this start; the final
+    # checkpoint is taken then, whatever --signal says, and the run exits 3 (train_job.sh requeues it).
+    end_margin_s: float = 60.0
     # Training-recipe keys (RECIPE_KEYS) a resume may change, e.g. [train.lr] to continue with a lower LR after
     # a NaN; any other change of the recipe, model or data is refused on resume.
     allow_changes: tuple[str, ...] = ()

@@ -6,14 +6,16 @@
   handle}) as a detached subprocess or a submitit job. Each starts a run, tells whether it is alive, stops it
   (the run checkpoints and ends) and finds it again by its marker or job name, so a driver killed at any point
   adopts what it had started (the search).
-- ``TrainJob`` and ``make_executor``: the submitit job of one run (torchrun on every node, requeued with its
-  checkpoint on time-out or preemption) and the executor settings a sweep's job array shares with the search.
-  A crashed job restarts in its allocation, within the bounds of the one restart policy (pipeline/restart.py).
+- ``TrainJob``, ``make_executor`` and ``run_job_name``: the submitit job of one run (torchrun on every node,
+  requeued with its checkpoint on time-out or preemption), the executor settings the sweep's jobs share with
+  the search's (one running job per name: Slurm's singleton dependency), and a run's job name. A crashed job
+  restarts in its allocation, within the bounds of the one restart policy (pipeline/restart.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -29,6 +31,7 @@ from pipeline import signals
 from pipeline.config import ConfigError
 from pipeline.distributed import local_run_env
 from pipeline.redaction import redact_text
+from pipeline.run_lock import proc_start
 from pipeline.runs.outcome import EXIT_FILE
 from pipeline.runs.plan import train_command
 from pipeline.tracking import store
@@ -77,16 +80,6 @@ class LocalPool:
         while self.running:
             self.poll()
             time.sleep(0.2)
-
-
-def proc_start(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat), None when gone or a zombie:
-    with the pid it names one process, so a recycled pid is not taken for a run."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def _find_local(marker: str) -> int | None:
@@ -293,7 +286,6 @@ def make_executor(
     timeout_min: int = 240,
     partition: str | None = None,
     signal_delay_s: int = signals.DEFAULT_SIGNAL_LEAD_S,
-    array_parallelism: int = 256,
     job_name: str = "prism-sweep",
     additional_parameters: dict[str, Any] | None = None,
     max_num_timeout: int = MAX_NUM_TIMEOUT,
@@ -315,20 +307,26 @@ def make_executor(
         "timeout_min": timeout_min,
         "name": job_name,
         "slurm_signal_delay_s": signal_delay_s,
-        "slurm_array_parallelism": array_parallelism,
     }
     if gpus_per_node:
         params["gpus_per_node"] = gpus_per_node
     if partition:
         params["slurm_partition"] = partition
-    if additional_parameters:
-        params["slurm_additional_parameters"] = dict(additional_parameters)
+    # one running job per name: a second submission of a run waits (reason Dependency), then resumes
+    params["slurm_additional_parameters"] = {"dependency": "singleton", **(additional_parameters or {})}
     if executor == "slurm":
         # srun no longer inherits sbatch's --cpus-per-task (Slurm >= 22.05): the step (torchrun, its workers
         # and their data loaders) would get one CPU per task.
         params["slurm_srun_args"] = [f"--cpus-per-task={cpus_per_task}"]
     ex.update_parameters(**params)
     return ex
+
+
+def run_job_name(checkpoint_dir: Path, run_name: str) -> str:
+    """The Slurm job name of one run: its name and a hash of its checkpoint folder (runs of one name can live
+    in several folders, a schedule sweep's), so --dependency=singleton keeps one job per run folder running."""
+    digest = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{run_name}-{digest}"
 
 
 class SlurmLauncher:

@@ -15,7 +15,6 @@ SLURM_INT_KEYS = (
     "cpus_per_task",
     "timeout_min",
     "signal_delay_s",
-    "array_parallelism",
     "max_num_timeout",
 )
 SLURM_KEYS = (*SLURM_INT_KEYS, "partition", "additional_parameters")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import faults, lr_schedule
+from pipeline import faults, lr_schedule, run_lock, slurm_job
 from pipeline.cadence import StepActions, checkpoint_steps, planned, step_actions
 from pipeline.checkpoint import restore
 from pipeline.config import Config
@@ -59,14 +59,22 @@ def stop_agreement(stopper: StopSignal, device: str) -> Any:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train (or resume) ``cfg`` inside the current process group; returns a summary with ``exit_code``."""
-    from pipeline import compat
-    from pipeline.config import ConfigError
+    # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
+    slurm_job.max_batch_requeue_override()  # a bad PRISM_MAX_BATCH_REQUEUE: one line on every rank
     from pipeline.model.gpt import check_spec
 
-    # Refuse bad input before anything expensive: a changed config on resume, a mismatched dataset.
     check_spec(cfg)  # model.spec=transformer_engine where TE cannot run: one line, before any process group
     # the resume checks share the checkpoint hashing out over the ranks
     init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
+    with run_lock.held(cfg.checkpoint_dir):  # one writer per run: a refusal reaches every rank before any write
+        return train_held(cfg)
+
+
+def train_held(cfg: Config) -> dict[str, Any]:
+    """``train`` with the run folder's lock held (pipeline.run_lock)."""
+    from pipeline import compat
+    from pipeline.config import ConfigError
+
     resume = branch_start(cfg) or restore.resume_point(cfg)
     if resume.finished:
         return already_finished(cfg, resume)
@@ -111,6 +119,9 @@ def loop(run: Run) -> int:
         run.watch.step_done()  # after the first: short collective timeouts; each: the stack timer re-armed
         state.tokens_seen += t.batch_tokens
         unread.add(state.step, result)
+        if run.job_end and not run.stopper.end_reached and (why := run.job_end.due(run.saver.final_save_s())):
+            say(f"prism train: {why}: checkpointing at step {state.step} and stopping")
+            run.stopper.end_reached = True
         # a profile request rides on the stop agreement's all-reduce: rank 0 reads it at sync steps only
         stop, news = stop_check(run.profiler.poll(step_actions(cfg, state.step, run.total_steps).sync))
         run.profiler.agreed(news, state.step, run.total_steps)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import budget, data, faults, lr_schedule
+from pipeline import budget, data, faults, lr_schedule, slurm_job
 from pipeline.checkpoint import restore
 from pipeline.checkpoint.restore import TrainState
 from pipeline.checkpoint.writer import Saver
@@ -57,6 +57,7 @@ class Run:
     val_loss: float | None = None  # of the last validation
     evals: Any = None  # pipeline.eval.in_run.DownstreamEval when train.eval_every is set
     profiler: Any = None  # pipeline.profiling.Profiler: traces on request or for train.profile_steps
+    job_end: Any = None  # pipeline.slurm_job.JobEnd on global rank 0 of a Slurm job with an end time
 
 
 def branch_start(cfg: Config) -> restore.Resume | None:
@@ -125,6 +126,10 @@ def setup(cfg: Config, resume: restore.Resume) -> Run:
     dist.broadcast_object_list(run_id, src=0)
     run.node_metrics = other_node_metrics(cfg, run_id[0], ranks, dist.get_rank())
     say_start(run, resume, epochs, dp_size)
+    if dist.get_rank() == 0:  # its stop reaches every rank through the stop agreement
+        run.job_end = slurm_job.JobEnd.of_this_job(cfg.checkpoint.end_margin_s)
+        if warning := slurm_job.requeue_warning():
+            say(f"prism train: {warning}")
     return run
 
 

@@ -167,6 +167,7 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
     slurm_cluster, mlflow_server, tiny_data, tmp_path
 ):
     from pipeline import sweep
+    from pipeline.runs import launch
 
     # The signal must reach the trainer before its last step: steps 2..12 are the margin for the way there (poll,
     # scancel, submitit's handler, torchrun). With 4 steps and the signal sent after step 2 it sometimes landed
@@ -185,7 +186,8 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
         timeout_min=20,
         signal_delay_s=60,
     )
-    assert len({j.job_id.split("_")[0] for j in s.jobs}) == 1, "one job array for the whole grid"
+    names = [slurm_cluster.job_name(j.job_id) for j in s.jobs]
+    assert names == [launch.run_job_name(p.cfg.checkpoint_dir, p.name) for p in s.points], names  # one job per run
     # Preempt the prism job the way submitit's `#SBATCH --signal=USR2@60` does; the uniform one runs through.
     preempted = s.jobs[0]
     deadline = time.monotonic() + 240
@@ -210,7 +212,7 @@ def test_submitit_sweep_two_arms_requeues_a_preempted_job_and_maps_jobs_to_runs(
         assert entry["run_name"] == f"{entry['arm']}-tiny-s21"
         client, runs = _runs_named(mlflow_server, experiment, entry["run_name"])
         assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # one run, also across the requeue
-        assert runs[0].data.tags["slurm_array"] == job.job_id  # MLflow run <- Slurm array task <- grid point
+        assert runs[0].data.tags["slurm_job_id"] == job.job_id  # MLflow run <- Slurm job <- grid point
         assert runs[0].data.tags["arm"] == entry["arm"]
         history = client.get_metric_history(runs[0].info.run_id, "train/loss")
         assert sorted({m.step for m in history}) == list(range(1, steps + 1))

@@ -85,6 +85,7 @@ BAD = [
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("checkpoint.every_minutes=0", "checkpoint.every_minutes"),
     ("checkpoint.max_failed_saves=0", "checkpoint.max_failed_saves"),
+    ("checkpoint.end_margin_s=-1", "checkpoint.end_margin_s"),
     ("checkpoint.async_save=sometimes", "checkpoint.async_save"),
     ("train.eval_every=-1", "train.eval_every"),
     ("train.eval_limit=0", "train.eval_limit"),
