@@ -121,7 +121,7 @@ def converted(engine: Any, now: Config, tag_dir: Path, saved_config: Path, load_
     if not engine.load_universal_checkpoint():
         raise RuntimeError(
             "pipeline/checkpoint/reshard.py: the engine was built without load_universal, but this resume changes the TP "
-            "or DP size; pipeline.train.build_engine must be told checkpoint.restore.reshards(...)"
+            "or DP size; pipeline.train.engine.build_engine must be told checkpoint.restore.reshards(...)"
         )
     failure: BaseException | None = None
     if dist.get_rank() == 0:

@@ -129,7 +129,7 @@ def test_dp2_checkpoint_resumes_at_another_dp_size(dp2, tiny_data, tmp_path, new
 # The study's presets train in bf16 at ZeRO-1, where DeepSpeed runs BF16_Optimizer, not its ZeRO-1/2 optimizer.
 BF16 = "train.precision=bf16"
 # How close the bf16 run after the change comes to the uninterrupted DP=2 run's: to fp32 reduction order,
-# because gradients are summed and all-reduced in fp32 (train.deepspeed_config). Measured (steps 4-6 loss and
+# because gradients are summed and all-reduced in fp32 (train.engine.deepspeed_config). Measured (steps 4-6 loss and
 # grad norm, val), through DeepSpeed's universal checkpoint: DP=1 and DP=4 grad norms equal, loss within
 # 6.0e-08 (step 6), val 4.5e-08; the hand-written partition merge this replaced gave the same numbers on the
 # same code. With DeepSpeed's default bf16 all-reduce they drifted by up to 4.4e-04 (val), and a resume that loses the AdamW moments misses by 1.9e-02 at step 5.

@@ -92,15 +92,14 @@ WRAPPERS = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer"}
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_deepspeed_steps_do_not_sync_until_read_back(zero_stage):
-    from pipeline import train
     from pipeline.skipping import StepSkipper
-    from pipeline.train.engine import deepspeed_config, train_step
+    from pipeline.train.engine import deepspeed_config, optimizer_stepped, train_step
 
     skipper = StepSkipper(4, 6.0, "cpu")  # as the trainer steps: every step asks whether to skip
     cfg, engine, optimizer = build_tiny_engine([f"parallel.zero_stage={zero_stage}"], skipper=skipper)
     assert deepspeed_config(cfg, 2, 1)["timers"] == {"throughput": {"enabled": False}}
     # DeepSpeed replaced each param group by one flat fp32 partition, so the fused AdamW steps 2 tensors in all
-    stepped = train.optimizer_stepped(engine, optimizer)
+    stepped = optimizer_stepped(engine, optimizer)
     assert stepped == f"{WRAPPERS[zero_stage]} -> torch AdamW (fused) over [1, 1] tensors per param group"
     loader = FakeLoader(4, 32, cfg.model.vocab_size)
     train_step(engine, optimizer, loader, 1e-3, 2, "cpu", skipper).read_back()  # first step: lazy allocations
