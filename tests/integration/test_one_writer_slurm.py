@@ -61,7 +61,7 @@ def test_a_short_time_limit_checkpoints_before_its_end_and_a_second_job_of_the_r
         )
         assert 0 < int(ends.group(1)) <= MARGIN_S + 10, ends.group(0)
         stopped_at = int(ends.group(3))
-        _wait_for(first_log, rf"requeueing job {first} to resume from latest", slurm_cluster, first, 60)
+        _wait_for(first_log, rf"requeueing to resume from latest \(job {first}\)", slurm_cluster, first, 60)
         assert stopped_at < STEPS and f"checkpoint at step {stopped_at} written" in first_log.read_text()
         assert slurm_cluster.reason(second) == "Dependency"  # the requeued first job still holds the name
         subprocess.run(["scancel", first], check=True, timeout=30)  # it would go on with two-minute lives
