@@ -283,3 +283,11 @@ def test_blocks_and_their_output(tmp_path):
     )
     assert (second.info, second.output) == ("sh cluster", None)
     assert (third.body, third.line) == ("indented\n", 20)
+
+
+def test_no_test_module_name_is_in_both_suites():
+    """The compat leg collects tests/unit and tests/integration in one pytest session, where two test modules
+    of one name (the suites are not packages) fail collection with 'import file mismatch'."""
+    unit = {p.name for p in (ROOT / "tests" / "unit").glob("test_*.py")}
+    integration = {p.name for p in (ROOT / "tests" / "integration").glob("test_*.py")}
+    assert not unit & integration, f"rename one of each: {sorted(unit & integration)}"
